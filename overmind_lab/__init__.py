@@ -1,0 +1,84 @@
+"""overmind-lab: warm model reloads for notebook development.
+
+The first ``from_pretrained`` (or any call passed to :func:`load`) parks its result in
+shared memory held by a small per-user daemon; every later load, from any process of the
+same user (a restarted kernel), comes back in milliseconds, zero-copy and copy-on-write
+isolated.
+
+>>> import overmind_lab                                                # doctest: +SKIP
+>>> unet = overmind_lab.load(UNet2DConditionModel.from_pretrained, "/models/unet")
+
+In a notebook: ``%load_ext overmind_lab`` then ``%overmind_load``.
+
+Importing this package is cheap: torch and the model libraries are imported only when a
+load needs them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "load",
+    "bypass",
+    "refreshing",
+    "record_loads",
+    "key_of",
+    "LoadEvent",
+    "Client",
+    "OvermindError",
+    "DaemonUnavailable",
+    "ProtocolError",
+    "UnknownEntry",
+    "NotCacheable",
+    "OvermindWarning",
+    "patch_all",
+    "unpatch_all",
+    "is_patched",
+    "get_original",
+    "widget",
+    "load_ipython_extension",
+    "unload_ipython_extension",
+]
+
+from overmind_lab._errors import (
+    DaemonUnavailable,
+    NotCacheable,
+    OvermindError,
+    OvermindWarning,
+    ProtocolError,
+    UnknownEntry,
+)
+
+# Lazily imported names: the module that defines each. Keeps `import overmind_lab`
+# (and the daemon, which imports this package) free of torch, IPython and ipywidgets.
+_LAZY = {
+    "load": "_cache", "bypass": "_cache", "refreshing": "_cache",
+    "record_loads": "_cache", "key_of": "_cache", "LoadEvent": "_cache",
+    "Client": "_client",
+    "patch_all": "_patch", "unpatch_all": "_patch", "is_patched": "_patch",
+    "get_original": "_patch",
+    "widget": "_widget",
+    "load_ipython_extension": "_magics", "unload_ipython_extension": "_magics",
+    "_jupyter_server_extension_points": "_server",
+    "_jupyter_labextension_paths": "_server",
+    "_load_jupyter_server_extension": "_server",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'overmind_lab' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"overmind_lab.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

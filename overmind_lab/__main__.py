@@ -1,0 +1,5 @@
+"""``python -m overmind_lab``: the command line (same as ``overmind-lab``)."""
+
+from overmind_lab.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,275 @@
+"""Talking to the per-user daemon: :class:`Client` for management, :class:`Session` for loads.
+
+Every socket operation has a timeout; OS errors are translated into
+:class:`~overmind_lab.DaemonUnavailable` / :class:`~overmind_lab.ProtocolError` here, at the
+boundary. The first client that finds no daemon starts one (``serve --detach``) under a
+start lock, so racing clients end with exactly one daemon.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from overmind_lab._errors import DaemonUnavailable, ProtocolError, UnknownEntry
+from overmind_lab._paths import SOCKET_ENV, socket_path
+from overmind_lab._protocol import Channel
+
+__all__ = ["Client", "Session"]
+
+TIMEOUT = 30.0
+START_TIMEOUT = 30.0
+WAIT_ENV = "OVERMIND_LAB_WAIT_TIMEOUT"
+
+
+class Client:
+    """A connection factory for the daemon at ``socket_path`` (default: the user's).
+
+    >>> from overmind_lab import Client
+    >>> Client().status()["running"]   # doctest: +SKIP
+    True
+    """
+
+    def __init__(self, socket_path: str | os.PathLike[str] | None = None, *,
+                 timeout: float = TIMEOUT) -> None:
+        self.path: Path = _resolve(socket_path)
+        self.timeout = timeout
+
+    def __repr__(self) -> str:
+        return f"Client({str(self.path)!r})"
+
+    # -- connections --------------------------------------------------------------------
+    def connect(self, *, start: bool = False) -> Channel:
+        """A channel to the daemon, starting the daemon first when ``start``."""
+        try:
+            return self._connect()
+        except DaemonUnavailable:
+            if not start:
+                raise
+        self._spawn()
+        return self._connect()
+
+    def _connect(self) -> Channel:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(str(self.path))
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            sock.close()
+            raise DaemonUnavailable(f"no overmind-lab daemon is listening on {self.path}"
+                                    ) from exc
+        except PermissionError as exc:
+            sock.close()
+            raise DaemonUnavailable(f"permission denied on {self.path}: the daemon belongs "
+                                    "to another user") from exc
+        except OSError as exc:
+            sock.close()
+            raise DaemonUnavailable(f"cannot connect to {self.path}: {exc}") from exc
+        return Channel(sock, self.timeout)
+
+    def request(self, op: str, *, start: bool = False, **fields: Any) -> dict[str, Any]:
+        """Send one request and return its reply; raises on ``ok: false``."""
+        chan = self.connect(start=start)
+        try:
+            return call(chan, {"op": op, **fields})[0]
+        finally:
+            chan.close()
+
+    def _spawn(self) -> None:
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        lock_fd = os.open(self.path.with_name(self.path.name + ".start"),
+                          os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            _flock(lock_fd, START_TIMEOUT)
+            try:  # someone else may have started it while we waited for the lock
+                self._connect().close()
+                return
+            except DaemonUnavailable:
+                pass
+            cmd = [sys.executable, "-m", "overmind_lab", "serve", "--detach",
+                   "--socket", str(self.path)]
+            try:
+                proc = subprocess.run(cmd, stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      timeout=START_TIMEOUT, env=_daemon_env(),
+                                      close_fds=True)
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                raise DaemonUnavailable(f"could not start the daemon: {exc}") from exc
+            if proc.returncode != 0:
+                raise DaemonUnavailable(
+                    f"could not start the daemon (exit {proc.returncode}): "
+                    f"{proc.stderr.decode(errors='replace').strip()}")
+        finally:
+            os.close(lock_fd)
+
+    # -- management API -----------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        """Daemon status; ``{"running": False, ...}`` when no daemon runs (never raises)."""
+        try:
+            reply = self.request("status")
+        except (DaemonUnavailable, ProtocolError) as exc:
+            return {"running": False, "socket": str(self.path), "error": str(exc)}
+        reply.pop("ok", None)
+        return reply
+
+    def entries(self) -> list[dict[str, Any]]:
+        """Every cache entry with its statistics, most recently used first."""
+        return list(self.request("list")["entries"])
+
+    def evict(self, key: str) -> list[str]:
+        """Evict the entry with this key (or unique key prefix, or exact name)."""
+        return list(self.request("evict", key=key)["evicted"])
+
+    def evict_all(self) -> list[str]:
+        return list(self.request("evict_all")["evicted"])
+
+    def refresh(self, key: str) -> dict[str, Any]:
+        """Reload the entry from its source in the background; returns the entry."""
+        return dict(self.request("refresh", key=key)["entry"])
+
+    def start(self) -> dict[str, Any]:
+        """Start the daemon if it is not running; returns its status."""
+        reply = self.request("status", start=True)
+        reply.pop("ok", None)
+        return reply
+
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Stop the daemon; ``False`` if none was running."""
+        try:
+            reply = self.request("stop")
+        except DaemonUnavailable:
+            return False
+        pid = int(reply.get("pid", 0))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not _alive(pid):
+                return True
+            time.sleep(0.02)
+        raise DaemonUnavailable(f"the daemon (pid {pid}) did not stop within {timeout} s")
+
+    def session(self) -> Session:
+        """A connection for one cached load (lookup, lease, store), daemon started."""
+        return Session(self.connect(start=True))
+
+
+class Session:
+    """One cached load: lookup, then either a hit or a lease to load and store."""
+
+    def __init__(self, chan: Channel) -> None:
+        self.chan = chan
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.chan.close()
+
+    def lookup(self, key: str, *, refresh: bool = False,
+               own: bool = False) -> tuple[dict[str, Any], list[int]]:
+        """``({"hit": True, "entry": ...}, fds)`` or ``({"lease": True}, [])``.
+
+        While another process loads the same key this waits (the daemon sends keep-alives)
+        up to ``$OVERMIND_LAB_WAIT_TIMEOUT`` seconds (default 1800). ``own`` marks the
+        loader's own read-back after a store (not counted as a hit).
+        """
+        deadline = time.monotonic() + float(os.environ.get(WAIT_ENV, "1800"))
+        self.chan.send({"op": "lookup", "key": key, "refresh": refresh, "own": own})
+        while True:
+            reply, fds = _recv(self.chan)
+            if not reply.get("wait"):
+                return reply, fds
+            if time.monotonic() > deadline:
+                raise DaemonUnavailable(f"gave up waiting for another process to load {key}")
+
+    def request(self, msg: dict[str, Any], fds: list[int] | None = None) -> dict[str, Any]:
+        return call(self.chan, msg, fds)[0]
+
+    def report(self, key: str, seconds: float) -> None:
+        """Tell the daemon how long a warm load took (no reply)."""
+        try:
+            self.chan.send({"op": "report", "key": key, "seconds": seconds})
+        except OSError:
+            pass  # statistics only
+
+
+# -- helpers ----------------------------------------------------------------------------
+def call(chan: Channel, msg: dict[str, Any],
+         fds: list[int] | None = None) -> tuple[dict[str, Any], list[int]]:
+    try:
+        chan.send(msg, fds or [])
+    except OSError as exc:
+        raise DaemonUnavailable(f"lost the connection to the daemon: {exc}") from exc
+    return _recv(chan)
+
+
+def _recv(chan: Channel) -> tuple[dict[str, Any], list[int]]:
+    try:
+        reply, fds = chan.recv()
+    except socket.timeout as exc:
+        raise DaemonUnavailable("the daemon did not answer in time") from exc
+    except OSError as exc:
+        raise DaemonUnavailable(f"lost the connection to the daemon: {exc}") from exc
+    if not reply.get("ok", False):
+        for fd in fds:
+            os.close(fd)
+        kind, text = reply.get("kind", ""), reply.get("error", "the daemon refused")
+        if kind == "unknown_entry":
+            raise UnknownEntry(text)
+        if kind == "permission":
+            raise DaemonUnavailable(text)
+        raise ProtocolError(text, kind)
+    return reply, fds
+
+
+def _resolve(path: str | os.PathLike[str] | None) -> Path:
+    resolved = socket_path(path)
+    if len(os.fsencode(resolved)) >= 108:
+        raise ValueError(f"socket path {resolved} is too long for a Unix socket "
+                         f"(108 bytes max); set {SOCKET_ENV} to a shorter path")
+    return resolved
+
+
+def _flock(fd: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+            if time.monotonic() > deadline:
+                raise DaemonUnavailable("timed out waiting for another process that is "
+                                        "starting the daemon") from exc
+            time.sleep(0.01)
+
+
+def _daemon_env() -> dict[str, str]:
+    """The daemon runs the same overmind_lab as this process, whatever the cwd."""
+    env = dict(os.environ)
+    here = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie child of ours counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -1,0 +1,519 @@
+"""The per-user cache daemon: an asyncio server on a Unix socket.
+
+It holds sealed memfd segments (that *is* the cache), an index of entries, statistics and
+single-flight leases. It never imports torch or user code and never unpickles anything;
+it cannot be crashed by a model. Start it with ``overmind-lab serve`` or let the first
+client start it (``serve --detach``: double fork, ``setsid``, stdio to the log file).
+
+Requests (JSON frames, see ``_protocol``), one connection may send several:
+
+``status``                  -> status object
+``lookup {key, refresh?}``  -> ``{hit: true, entry}`` + segment fds, or ``{lease: true}``
+                               (you load it), after ``{wait: true}`` and keep-alives while
+                               another process loads the same key (single flight)
+``reserve {key, nbytes, refs}`` -> make room (LRU eviction) or ``kind: too_large``
+``store {key, ...}`` + fds  -> the entry is cached, the lease released
+``abandon {key}``           -> release the lease without storing
+``report {key, seconds}``   -> a warm load's time, for statistics (no reply)
+``list``                    -> ``{entries: [...]}``
+``evict {key}`` / ``evict_all`` / ``refresh {key}`` / ``stop``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import errno
+import fcntl
+import logging
+import os
+import signal
+import socket
+import struct
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from overmind_lab import __version__
+from overmind_lab._holders import HolderScanner
+from overmind_lab._index import Entry, Index, Segment, TooLarge
+from overmind_lab._paths import (
+    BUDGET_ENV,
+    available_memory,
+    ensure_private_dir,
+    parse_size,
+    runtime_dir,
+    socket_path,
+    total_memory,
+)
+from overmind_lab._protocol import AsyncChannel
+
+__all__ = ["Daemon", "main", "default_budget"]
+
+log = logging.getLogger("overmind_lab.daemon")
+
+#: Fraction of system RAM the cache may hold by default.
+DEFAULT_BUDGET_FRACTION = 0.5
+KEEPALIVE_SECONDS = 5.0
+IDLE_TIMEOUT = 600.0
+SEND_TIMEOUT = 30.0
+_REQUIRED_SEALS = 0x0001 | 0x0002 | 0x0004 | 0x0008  # SEAL, SHRINK, GROW, WRITE
+
+
+def default_budget() -> int:
+    env = os.environ.get(BUDGET_ENV)
+    if env:
+        return parse_size(env)
+    return int(total_memory() * DEFAULT_BUDGET_FRACTION)
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return pid, uid, gid
+
+
+class _Lease:
+    def __init__(self, owner: object) -> None:
+        self.owner = owner
+        self.released = asyncio.Event()
+
+
+class Daemon:
+    def __init__(self, path: Path, budget: int) -> None:
+        self.path = path
+        self.index = Index(budget)
+        self.holders = HolderScanner()
+        self.leases: dict[str, _Lease] = {}
+        self.started = time.time()
+        self.stopping = asyncio.Event()
+        self.refresher: Any = None  # set by _refresh.attach (avoids an import cycle)
+
+    # -- lifecycle --------------------------------------------------------------------
+    async def serve(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        sock.setblocking(False)
+        log.info("serving on %s (pid %d, budget %d bytes)", self.path, os.getpid(),
+                 self.index.budget)
+        accepting = asyncio.ensure_future(self._accept_loop(sock))
+        await self.stopping.wait()
+        accepting.cancel()
+        self.index.close()
+        log.info("stopped")
+
+    async def _accept_loop(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        tasks: set[asyncio.Task[None]] = set()
+        while True:
+            conn, _ = await loop.sock_accept(listener)
+            task = asyncio.ensure_future(self._serve_client(conn))
+            tasks.add(task)  # keep a reference until done
+            task.add_done_callback(tasks.discard)
+
+    async def _serve_client(self, sock: socket.socket) -> None:
+        chan = AsyncChannel(sock)
+        held: set[str] = set()
+        try:
+            pid, uid, _ = peer_credentials(sock)
+            if uid != os.getuid():
+                log.warning("refused a connection from uid %d (pid %d)", uid, pid)
+                await chan.send({"ok": False, "kind": "permission",
+                                 "error": f"the overmind-lab daemon of uid {os.getuid()} "
+                                          f"does not serve uid {uid}"})
+                return
+            self.holders.saw(pid)
+            await self._conversation(chan, pid, held)
+        except (ConnectionError, asyncio.TimeoutError) as exc:
+            log.info("connection from a client ended: %r", exc)
+        except Exception:  # a bad request must never take the daemon down
+            log.exception("error while serving a client")
+        finally:
+            for key in held:
+                self._release(key)
+            chan.close()
+
+    async def _conversation(self, chan: AsyncChannel, pid: int, held: set[str]) -> None:
+        while True:
+            timeout = None if held else IDLE_TIMEOUT
+            frame = await asyncio.wait_for(chan.recv(), timeout)
+            if frame is None:
+                return
+            msg, fds = frame
+            op = msg.get("op")
+            try:
+                if op == "store":
+                    reply, out_fds = self._store(msg, fds, held), []
+                else:
+                    for fd in fds:
+                        os.close(fd)
+                    if op == "lookup":
+                        await self._lookup(chan, msg, held)
+                        continue
+                    if op == "report":
+                        self._report(msg)
+                        continue
+                    reply, out_fds = self._simple(op, msg, held, pid)
+            except _RequestError as exc:
+                reply, out_fds = {"ok": False, "kind": exc.kind, "error": str(exc)}, []
+            await asyncio.wait_for(chan.send(reply, out_fds), SEND_TIMEOUT)
+            if op == "stop":
+                self.stopping.set()
+                return
+
+    # -- requests ---------------------------------------------------------------------
+    def _simple(self, op: Any, msg: dict[str, Any], held: set[str],
+                pid: int) -> tuple[dict[str, Any], list[int]]:
+        if op in ("status", "hello"):
+            return {"ok": True, **self.status()}, []
+        if op == "list":
+            return {"ok": True, "entries": self.list_entries()}, []
+        if op == "reserve":
+            return self._reserve(msg, held), []
+        if op == "abandon":
+            key = str(msg.get("key"))
+            if key in held:
+                held.discard(key)
+                self._release(key)
+            self.index.unreserve(key)
+            return {"ok": True}, []
+        if op == "evict":
+            keys = self._resolve(str(msg.get("key", "")))
+            for key in keys:
+                self.index.evict(key)
+            self.holders.invalidate()
+            return {"ok": True, "evicted": keys}, []
+        if op == "evict_all":
+            keys = list(self.index.entries)
+            for key in keys:
+                self.index.evict(key)
+            return {"ok": True, "evicted": keys}, []
+        if op == "refresh":
+            keys = self._resolve(str(msg.get("key", "")))
+            if self.refresher is None:
+                raise _RequestError("unsupported", "this daemon cannot refresh entries")
+            entry = self.refresher.start(self.index.entries[keys[0]])
+            return {"ok": True, "entry": entry}, []
+        if op == "stop":
+            return {"ok": True, "pid": os.getpid()}, []
+        raise _RequestError("bad_request", f"unknown operation {op!r}")
+
+    def _resolve(self, key: str) -> list[str]:
+        keys = self.index.resolve(key) if key else []
+        if not keys:
+            raise _RequestError("unknown_entry", f"no cache entry matches {key!r}")
+        if len(keys) > 1:
+            raise _RequestError("unknown_entry",
+                                f"{key!r} matches {len(keys)} entries; give more of the key")
+        return keys
+
+    async def _lookup(self, chan: AsyncChannel, msg: dict[str, Any], held: set[str]) -> None:
+        key = str(msg["key"])
+        refresh = bool(msg.get("refresh"))
+        announced = False
+        while True:
+            entry = self.index.get(key)
+            if entry is not None and not refresh:
+                self.index.touch(key, hit=not msg.get("own"))
+                fds = [self.index.segments[s].fd for s in entry.segments]
+                await asyncio.wait_for(chan.send({"ok": True, "hit": True,
+                                                  "entry": self._wire_entry(entry)}, fds),
+                                       SEND_TIMEOUT)
+                return
+            lease = self.leases.get(key)
+            if lease is None:
+                self.leases[key] = _Lease(chan)
+                held.add(key)
+                await asyncio.wait_for(chan.send({"ok": True, "lease": True}), SEND_TIMEOUT)
+                return
+            if not msg.get("wait", True):
+                await chan.send({"ok": True, "busy": True})
+                return
+            if not announced:
+                await asyncio.wait_for(chan.send({"ok": True, "wait": True}), SEND_TIMEOUT)
+                announced = True
+            try:
+                await asyncio.wait_for(lease.released.wait(), KEEPALIVE_SECONDS)
+                refresh = False  # whoever held the lease has just loaded it fresh
+            except asyncio.TimeoutError:
+                await asyncio.wait_for(chan.send({"ok": True, "wait": True}), SEND_TIMEOUT)
+
+    def _release(self, key: str) -> None:
+        lease = self.leases.pop(key, None)
+        self.index.unreserve(key)
+        if lease is not None:
+            lease.released.set()
+
+    def _reserve(self, msg: dict[str, Any], held: set[str]) -> dict[str, Any]:
+        key = str(msg["key"])
+        if key not in held:
+            raise _RequestError("no_lease", "reserve needs the lease from lookup")
+        refs = set(msg.get("refs", []))
+        protect = {k for k, e in self.index.entries.items() if refs & set(e.segments)}
+        missing = refs - set(self.index.segments)
+        if missing:
+            raise _RequestError("stale_reference",
+                                f"referenced segments were evicted: {sorted(missing)}")
+        try:
+            evicted = self.index.reserve(key, int(msg["nbytes"]), protect)
+        except TooLarge as exc:
+            raise _RequestError("too_large", f"not cached: {exc}") from None
+        if evicted:
+            log.info("evicted %d entries to make room: %s", len(evicted), evicted)
+        return {"ok": True, "evicted": evicted}
+
+    def _store(self, msg: dict[str, Any], fds: list[int], held: set[str]) -> dict[str, Any]:
+        key = str(msg["key"])
+        try:
+            if key not in held:
+                raise _RequestError("no_lease", "store needs the lease from lookup")
+            specs = msg.get("segments", [])
+            if len(specs) != len(fds):
+                raise _RequestError("bad_request",
+                                    f"{len(specs)} segments announced, {len(fds)} fds sent")
+            new = [self._check_segment(spec, fd) for spec, fd in zip(specs, fds)]
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        shared = [str(s) for s in msg.get("refs", [])]
+        missing = [s for s in shared if s not in self.index.segments]
+        if missing:
+            for seg in new:
+                os.close(seg.fd)
+            raise _RequestError("stale_reference",
+                                f"referenced segments were evicted meanwhile: {missing}")
+        entry = Entry(
+            key=key, name=str(msg.get("name", key)), cls=str(msg.get("class", "")),
+            callable=str(msg.get("callable", "")), source=msg.get("source"),
+            own=[s.id for s in new], shared=shared, meta=dict(msg.get("meta", {})),
+            tensors=int(msg.get("tensors", 0)),
+            cold_seconds=float(msg.get("cold_seconds", 0.0)),
+            store_seconds=float(msg.get("store_seconds", 0.0)), call=msg.get("call"),
+        )
+        self.index.unreserve(key)
+        self.index.add(entry, new)
+        held.discard(key)
+        self._release(key)
+        self.holders.invalidate()
+        log.info("stored %s (%s, %d bytes)", key[:12], entry.name, sum(s.size for s in new))
+        return {"ok": True, "key": key}
+
+    def _check_segment(self, spec: dict[str, Any], fd: int) -> Segment:
+        sid = str(spec.get("id", ""))
+        if not sid or sid in self.index.segments:
+            raise _RequestError("bad_request", f"segment id {sid!r} is missing or reused")
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError as exc:
+            raise _RequestError("bad_request", f"segment {sid} is not a memfd: {exc}") from None
+        if seals & _REQUIRED_SEALS != _REQUIRED_SEALS:
+            raise _RequestError("bad_request", f"segment {sid} is not sealed")
+        size = os.fstat(fd).st_size
+        if size != int(spec.get("size", -1)):
+            raise _RequestError("bad_request", f"segment {sid} has {size} bytes, "
+                                               f"{spec.get('size')} announced")
+        return Segment(id=sid, fd=fd, size=size)
+
+    def _report(self, msg: dict[str, Any]) -> None:
+        entry = self.index.get(str(msg.get("key")))
+        if entry is not None and isinstance(msg.get("seconds"), (int, float)):
+            entry.warm_seconds.append(float(msg["seconds"]))
+
+    # -- views ------------------------------------------------------------------------
+    def _wire_entry(self, entry: Entry) -> dict[str, Any]:
+        return {
+            "key": entry.key, "name": entry.name, "meta": entry.meta,
+            "segments": [{"id": s, "size": self.index.segments[s].size}
+                         for s in entry.segments],
+            "cold_seconds": entry.cold_seconds,
+        }
+
+    def status(self) -> dict[str, Any]:
+        mapped = self.holders.scan()
+        for sid in [s for s in self.index.evicted if s not in mapped]:
+            del self.index.evicted[sid]
+        return {
+            "running": True, "pid": os.getpid(), "socket": str(self.path),
+            "version": __version__, "started": self.started,
+            "uptime_seconds": time.time() - self.started,
+            "budget_bytes": self.index.budget, "cached_bytes": self.index.cached_bytes,
+            "evicted_mapped_bytes": sum(self.index.evicted.values()),
+            "entries": len(self.index.entries),
+            "memory_total_bytes": total_memory(),
+            "memory_available_bytes": available_memory(),
+        }
+
+    def list_entries(self) -> list[dict[str, Any]]:
+        mapped = self.holders.scan()
+        out = []
+        for entry in reversed(self.index.entries.values()):  # most recently used first
+            own, shared = self.index.entry_bytes(entry)
+            holders: set[int] = set()
+            for sid in entry.own or entry.shared:
+                holders |= mapped.get(sid, set())
+            out.append({
+                "key": entry.key, "name": entry.name, "class": entry.cls,
+                "callable": entry.callable, "source": entry.source, "bytes": own,
+                "shared_bytes": shared, "tensors": entry.tensors, "created": entry.created,
+                "last_used": entry.last_used, "hits": entry.hits,
+                "cold_seconds": entry.cold_seconds, "store_seconds": entry.store_seconds,
+                "warm_seconds": list(entry.warm_seconds), "holders": sorted(holders),
+                "replayable": entry.call is not None, "refresh": dict(entry.refresh),
+            })
+        return out
+
+
+class _RequestError(Exception):
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+# -- process management ---------------------------------------------------------------
+def _lock_path(path: Path) -> Path:
+    return path.with_name(path.name + ".lock")
+
+
+def log_path(path: Path) -> Path:
+    return path.with_name(path.name + ".log")
+
+
+def _take_lifetime_lock(path: Path) -> int | None:
+    """The daemon's own lock: held for its whole life, proves a socket is not stale."""
+    fd = os.open(_lock_path(path), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return None
+        raise
+    return fd
+
+
+def _bind(path: Path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        path.unlink()  # stale: we hold the lifetime lock, so its daemon is gone
+    except FileNotFoundError:
+        pass
+    old = os.umask(0o177)
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old)
+    sock.listen(128)
+    return sock
+
+
+def _prepare_dir(path: Path) -> None:
+    if path.parent == runtime_dir():
+        ensure_private_dir(path.parent)
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+
+def run(path: Path, budget: int, ready_fd: int | None = None) -> int:
+    """Run a daemon on ``path`` until stopped. Returns the exit status."""
+    _prepare_dir(path)
+    lock = _take_lifetime_lock(path)
+    if lock is None:
+        print(f"overmind-lab: a daemon is already running on {path}", file=sys.stderr)
+        if ready_fd is not None:
+            os.write(ready_fd, b"running\n")
+            os.close(ready_fd)
+        return 0
+    sock = _bind(path)
+    daemon = Daemon(path, budget)
+    from overmind_lab import _refresh
+
+    _refresh.attach(daemon)
+    if ready_fd is not None:
+        os.write(ready_fd, b"started\n")
+        os.close(ready_fd)
+    try:
+        asyncio.run(daemon.serve(sock))
+    finally:
+        try:
+            if path.exists() and os.stat(path).st_ino == os.fstat(sock.fileno()).st_ino:
+                path.unlink()
+        except OSError:
+            pass
+        sock.close()
+        os.close(lock)
+    return 0
+
+
+def detach(path: Path, budget: int) -> int:
+    """Start a daemon fully detached (double fork, setsid), return once it listens."""
+    _prepare_dir(path)
+    read_end, write_end = os.pipe()
+    if os.fork() > 0:  # the caller: wait for the grandchild to say it is ready
+        os.close(write_end)
+        with os.fdopen(read_end, "rb") as f:
+            answer = f.readline().strip()
+        if answer not in (b"started", b"running"):
+            print(f"overmind-lab: the daemon did not start; see {log_path(path)}",
+                  file=sys.stderr)
+            return 1
+        return 0
+    os.close(read_end)
+    os.setsid()
+    if os.fork() > 0:
+        os._exit(0)
+    logfd = os.open(log_path(path), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    nullfd = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(nullfd, 0)
+    os.dup2(logfd, 1)
+    os.dup2(logfd, 2)
+    os.close(nullfd)
+    os.close(logfd)
+    os.chdir("/")
+    _configure_logging()
+    try:
+        status = run(path, budget, ready_fd=write_end)
+    except BaseException:
+        log.exception("daemon failed")
+        status = 1
+    os._exit(status)
+
+
+def _configure_logging() -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="overmind-lab serve")
+    add_serve_arguments(parser)
+    return serve_command(parser.parse_args(argv))
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--socket", help="socket path (default: $OVERMIND_LAB_SOCKET or "
+                                         "the per-user runtime directory)")
+    parser.add_argument("--budget", help="memory budget, e.g. 12GiB or 40%% "
+                                         "(default: $OVERMIND_LAB_BUDGET or 50%% of RAM)")
+    parser.add_argument("--detach", action="store_true",
+                        help="run in the background, detached from this terminal")
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    path = socket_path(args.socket)
+    try:
+        budget = parse_size(args.budget) if args.budget else default_budget()
+    except ValueError as exc:
+        print(f"overmind-lab serve: {exc}", file=sys.stderr)
+        return 2
+    if args.detach:
+        return detach(path, budget)
+    _configure_logging()
+    return run(path, budget)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+

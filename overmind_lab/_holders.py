@@ -1,0 +1,69 @@
+"""Which processes map which segment, read from ``/proc/<pid>/maps``.
+
+A segment is a memfd named ``overmind-lab:<segment id>``; every process that maps it shows
+a line ending in ``/memfd:overmind-lab:<id> (deleted)``. The daemon asks only the processes
+that have talked to it (it learns their pids from ``SO_PEERCRED``), which keeps a scan
+cheap; results are cached for a short time so that polling UIs cost nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+__all__ = ["MEMFD_PREFIX", "HolderScanner"]
+
+MEMFD_PREFIX = "overmind-lab:"
+_MARK = "/memfd:" + MEMFD_PREFIX
+
+
+def segments_mapped_by(pid: int) -> set[str] | None:
+    """Segment ids mapped by ``pid``; ``None`` when the process is gone or unreadable."""
+    try:
+        with open(f"/proc/{pid}/maps", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    found: set[str] = set()
+    mark = _MARK.encode()
+    start = data.find(mark)
+    while start != -1:
+        end = data.find(b"\n", start)
+        line = data[start + len(mark): end if end != -1 else len(data)]
+        found.add(line.split(b" ", 1)[0].decode(errors="replace"))
+        start = data.find(mark, start + len(mark))
+    return found
+
+
+class HolderScanner:
+    """Maps segment id -> pids holding it, over the pids the daemon has seen."""
+
+    def __init__(self, ttl: float = 1.0) -> None:
+        self.ttl = ttl
+        self.pids: set[int] = set()
+        self._at = 0.0
+        self._result: dict[str, set[int]] = {}
+
+    def saw(self, pid: int) -> None:
+        if pid > 0 and pid != os.getpid():
+            if pid not in self.pids:
+                self.pids.add(pid)
+                self._at = 0.0
+
+    def invalidate(self) -> None:
+        self._at = 0.0
+
+    def scan(self) -> dict[str, set[int]]:
+        now = time.monotonic()
+        if now - self._at < self.ttl:
+            return self._result
+        result: dict[str, set[int]] = {}
+        for pid in list(self.pids):
+            segs = segments_mapped_by(pid)
+            if segs is None:
+                self.pids.discard(pid)
+                continue
+            for seg in segs:
+                result.setdefault(seg, set()).add(pid)
+        self._result, self._at = result, now
+        return result

@@ -1,0 +1,157 @@
+"""The daemon's index: entries, the segments they own or share, LRU and the budget.
+
+The daemon never looks inside a segment. An entry is a key, an opaque ``meta`` object the
+client needs to rebuild the result, the segment ids it uses and its statistics. A segment
+may be used by several entries (a pipeline built from a cached VAE references the VAE's
+segment instead of copying it): segments are reference counted, and a segment's fd is
+closed when no entry uses it any more.
+
+Note [Eviction and mappings]: closing the daemon's fd never breaks a process that maps
+the segment: the kernel keeps the pages until the last mapping goes. Such segments are
+remembered in ``evicted`` so that status can report memory that is evicted but still held.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Segment", "Entry", "Index", "TooLarge", "WARM_HISTORY"]
+
+WARM_HISTORY = 20
+
+
+class TooLarge(Exception):
+    """An entry does not fit the budget even after evicting everything evictable."""
+
+
+@dataclass
+class Segment:
+    id: str
+    fd: int
+    size: int
+    refs: int = 0
+
+
+@dataclass
+class Entry:
+    key: str
+    name: str
+    cls: str
+    callable: str
+    source: str | None
+    own: list[str]
+    shared: list[str]
+    meta: dict[str, Any]
+    tensors: int
+    cold_seconds: float
+    store_seconds: float
+    call: dict[str, Any] | None = None
+    created: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.time)
+    hits: int = 0
+    warm_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=WARM_HISTORY))
+    refresh: dict[str, Any] = field(
+        default_factory=lambda: {"state": "idle", "message": "", "started": None}
+    )
+
+    @property
+    def segments(self) -> list[str]:
+        return self.own + self.shared
+
+
+class Index:
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.entries: OrderedDict[str, Entry] = OrderedDict()
+        self.segments: dict[str, Segment] = {}
+        self.evicted: dict[str, int] = {}
+        self.reserved: dict[str, int] = {}
+        self.evicted_total = 0
+
+    # -- accounting -------------------------------------------------------------------
+    @property
+    def cached_bytes(self) -> int:
+        return sum(s.size for s in self.segments.values())
+
+    def entry_bytes(self, entry: Entry) -> tuple[int, int]:
+        own = sum(self.segments[s].size for s in entry.own if s in self.segments)
+        shared = sum(self.segments[s].size for s in entry.shared if s in self.segments)
+        return own, shared
+
+    # -- lookup -----------------------------------------------------------------------
+    def get(self, key: str) -> Entry | None:
+        return self.entries.get(key)
+
+    def touch(self, key: str, *, hit: bool = True) -> None:
+        entry = self.entries[key]
+        entry.last_used = time.time()
+        entry.hits += hit
+        self.entries.move_to_end(key)
+
+    def resolve(self, key_or_prefix: str) -> list[str]:
+        """Keys matching exactly, else by unique prefix, else by exact display name."""
+        if key_or_prefix in self.entries:
+            return [key_or_prefix]
+        matches = [k for k in self.entries if k.startswith(key_or_prefix)]
+        if not matches:
+            matches = [k for k, e in self.entries.items() if e.name == key_or_prefix]
+        return matches
+
+    # -- budget -----------------------------------------------------------------------
+    def reserve(self, token: str, nbytes: int, protect: set[str]) -> list[str]:
+        """Make room for ``nbytes`` (evicting LRU entries not in ``protect``)."""
+        if nbytes > self.budget:
+            raise TooLarge(
+                f"{nbytes} bytes exceed the whole budget of {self.budget} bytes"
+            )
+        evicted: list[str] = []
+        while self._used() + nbytes > self.budget:
+            victim = next((k for k in self.entries if k not in protect), None)
+            if victim is None:
+                raise TooLarge(
+                    f"{nbytes} bytes do not fit: {self._used()} of {self.budget} bytes are "
+                    "held by entries this one depends on"
+                )
+            self.evict(victim)
+            evicted.append(victim)
+        self.reserved[token] = nbytes
+        return evicted
+
+    def unreserve(self, token: str) -> None:
+        self.reserved.pop(token, None)
+
+    def _used(self) -> int:
+        return self.cached_bytes + sum(self.reserved.values())
+
+    # -- mutation ---------------------------------------------------------------------
+    def add(self, entry: Entry, new_segments: list[Segment]) -> None:
+        """Insert ``entry`` (replacing one with the same key) with its new segments."""
+        for seg in new_segments:
+            self.segments[seg.id] = seg
+        for sid in entry.segments:
+            self.segments[sid].refs += 1
+        if entry.key in self.entries:
+            self.evict(entry.key)
+        self.entries[entry.key] = entry
+
+    def evict(self, key: str) -> Entry:
+        entry = self.entries.pop(key)
+        for sid in entry.segments:
+            seg = self.segments.get(sid)
+            if seg is None:
+                continue
+            seg.refs -= 1
+            if seg.refs <= 0:
+                del self.segments[sid]
+                os.close(seg.fd)
+                self.evicted[sid] = seg.size
+                self.evicted_total += seg.size
+        return entry
+
+    def close(self) -> None:
+        for key in list(self.entries):
+            self.evict(key)

@@ -1,0 +1,324 @@
+"""Cache keys: a key changes whenever the result of a call could change.
+
+A key hashes:
+
+- the callable really called: ``module.Class.method`` of the class the method was looked
+  up on (``CLIPTextModelWithProjection.from_pretrained`` even though ``PreTrainedModel``
+  defines it);
+- every argument bound to the signature, defaults applied, normalized (``torch.float16``,
+  paths made absolute and resolved, objects from the cache by their own key);
+- a signature of the source: for a local directory the relative paths, sizes and mtimes
+  of its files, for a file its size and mtime, for a hub id the revision resolved in the
+  local hub cache (and the snapshot's files);
+- the versions of Python, torch, the loading library and this package's format.
+
+An argument that cannot be normalized raises :class:`NotCacheable`; the call then runs
+uncached.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import inspect
+import json
+import os
+import sys
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from overmind_lab._errors import NotCacheable
+
+__all__ = ["KeyInfo", "make_key", "key_of", "remember", "FORMAT_VERSION"]
+
+#: Bump when the stored layout changes: old entries then simply miss.
+FORMAT_VERSION = 1
+MAX_SOURCE_FILES = 20000
+_SOURCE_PARAMS = ("pretrained_model_name_or_path", "pretrained_model_link_or_path",
+                  "path", "model_path")
+
+
+@dataclass
+class KeyInfo:
+    key: str
+    name: str
+    callable: str
+    source: str | None
+    call: dict[str, Any] | None  # replay spec, None when the call cannot be replayed
+
+
+# -- objects that came from the cache ---------------------------------------------------
+_keys_by_id: dict[int, tuple[weakref.ref[Any], str]] = {}
+
+
+def remember(obj: Any, key: str) -> None:
+    """Record that ``obj`` was rebuilt from the cache entry ``key``."""
+    try:
+        ref = weakref.ref(obj, lambda _r, i=id(obj): _keys_by_id.pop(i, None))
+    except TypeError:
+        return
+    _keys_by_id[id(obj)] = (ref, key)
+
+
+def key_of(obj: Any) -> str | None:
+    """The cache key of an object returned by a cached load, else ``None``."""
+    found = _keys_by_id.get(id(obj))
+    if found is not None and found[0]() is obj:
+        return found[1]
+    return None
+
+
+# -- callables --------------------------------------------------------------------------
+def callable_name(fn: Callable[..., Any]) -> tuple[str, str]:
+    """(qualified name, import path ``module:qualname``) of what is really called."""
+    owner = getattr(fn, "__self__", None)
+    if owner is not None and not isinstance(owner, type) and not inspect.ismodule(owner):
+        raise NotCacheable(
+            f"{fn!r} is bound to an instance; pass a function or a classmethod bound to "
+            "a class (such as Model.from_pretrained)")
+    func = getattr(fn, "__func__", fn)
+    name = getattr(func, "__name__", None)
+    if name is None:
+        raise NotCacheable(f"{fn!r} has no name; pass a function or a classmethod")
+    if isinstance(owner, type):
+        qual = f"{owner.__module__}.{owner.__qualname__}.{name}"
+        path = f"{owner.__module__}:{owner.__qualname__}.{name}"
+    else:
+        qual = f"{func.__module__}.{func.__qualname__}"
+        path = f"{func.__module__}:{func.__qualname__}"
+    return qual, path
+
+
+def _code_identity(fn: Callable[..., Any]) -> Any:
+    """Local functions and lambdas have no unique name: key them by their code."""
+    func = getattr(fn, "__func__", fn)
+    code = getattr(func, "__code__", None)
+    if code is None or "<" not in getattr(func, "__qualname__", ""):
+        return None
+    cells = [c.cell_contents for c in (func.__closure__ or ())]
+    return {
+        "file": code.co_filename, "line": code.co_firstlineno,
+        "code": hashlib.sha256(code.co_code + repr(code.co_consts).encode()).hexdigest(),
+        "closure": [normalize(c, "<closure>") for c in cells],
+    }
+
+
+# -- arguments --------------------------------------------------------------------------
+def normalize(value: Any, where: str) -> Any:
+    """A JSON-able, canonical description of an argument value."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return {"float": repr(value)}
+    if isinstance(value, os.PathLike):
+        return {"path": _source_signature(os.fspath(value))}
+    if isinstance(value, (list, tuple)):
+        return {type(value).__name__: [normalize(v, where) for v in value]}
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise NotCacheable(f"argument {where} is a dict with non-string keys")
+        return {"dict": {k: normalize(value[k], f"{where}[{k!r}]") for k in sorted(value)}}
+    cached = key_of(value)
+    if cached is not None:
+        return {"cached": cached}
+    if isinstance(value, enum.Enum):
+        return {"enum": f"{type(value).__module__}.{type(value).__qualname__}.{value.name}"}
+    if isinstance(value, type):
+        return {"type": f"{value.__module__}.{value.__qualname__}"}
+    torchy = _normalize_torch(value)
+    if torchy is not None:
+        return torchy
+    to_dict = getattr(value, "to_dict", None)
+    if callable(to_dict) and not inspect.isclass(value):
+        try:
+            as_dict = to_dict()
+        except Exception as exc:
+            raise NotCacheable(f"argument {where}: {type(value).__name__}.to_dict() "
+                               f"failed: {exc}") from exc
+        return {"object": f"{type(value).__module__}.{type(value).__qualname__}",
+                "state": normalize(as_dict, where)}
+    raise NotCacheable(
+        f"argument {where} of type {type(value).__module__}.{type(value).__qualname__} "
+        "cannot be part of a cache key (only plain values, paths, dtypes, devices, "
+        "configs and objects loaded through the cache can)")
+
+
+def _normalize_torch(value: Any) -> Any:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value)}
+    if isinstance(value, torch.device):
+        return {"device": str(value)}
+    return None
+
+
+# -- sources ----------------------------------------------------------------------------
+def _source_signature(text: str) -> dict[str, Any]:
+    path = Path(text).expanduser()
+    if path.exists():
+        resolved = path.resolve()
+        return {"local": str(resolved), "files": _tree_signature(resolved)}
+    return {"hub": text}
+
+
+def _tree_signature(root: Path) -> Any:
+    if root.is_file():
+        st = root.stat()
+        return [st.st_size, st.st_mtime_ns]
+    out: list[Any] = []
+    stack = [root]
+    while stack:
+        current = stack.pop()
+        try:
+            entries = sorted(os.scandir(current), key=lambda e: e.name)
+        except OSError as exc:
+            raise NotCacheable(f"cannot read model directory {current}: {exc}") from exc
+        for entry in entries:
+            if entry.name.startswith(".") and entry.name not in (".gitattributes",):
+                continue
+            if entry.is_dir():
+                stack.append(Path(entry.path))
+            else:
+                try:
+                    st = entry.stat()
+                except FileNotFoundError:
+                    continue  # dangling symlink: the loader ignores it too
+                out.append([os.path.relpath(entry.path, root), st.st_size, st.st_mtime_ns])
+                if len(out) > MAX_SOURCE_FILES:
+                    raise NotCacheable(f"{root} holds more than {MAX_SOURCE_FILES} files; "
+                                       "pass the model directory itself")
+    return out
+
+
+def _hub_signature(repo_id: str, revision: Any) -> dict[str, Any]:
+    """The snapshot a hub id resolves to in the local hub cache, if it is there."""
+    try:
+        from huggingface_hub.constants import HF_HUB_CACHE
+    except ImportError:
+        return {"hub": repo_id, "revision": revision}
+    rev = revision if isinstance(revision, str) else "main"
+    for kind in ("models", "datasets", "spaces"):
+        repo_dir = Path(HF_HUB_CACHE) / f"{kind}--{repo_id.replace('/', '--')}"
+        if not repo_dir.is_dir():
+            continue
+        ref = repo_dir / "refs" / rev
+        commit = ref.read_text().strip() if ref.is_file() else rev
+        snapshot = repo_dir / "snapshots" / commit
+        if snapshot.is_dir():
+            return {"hub": repo_id, "commit": commit, "files": _tree_signature(snapshot)}
+    return {"hub": repo_id, "revision": revision}
+
+
+def _versions(qualname: str) -> dict[str, str]:
+    out = {"python": sys.version.split()[0], "format": str(FORMAT_VERSION)}
+    for lib in {"torch", qualname.split(".")[0]}:
+        mod = sys.modules.get(lib)
+        if mod is not None:
+            out[lib] = str(getattr(mod, "__version__", "?"))
+    return out
+
+
+# -- the key ----------------------------------------------------------------------------
+def make_key(fn: Callable[..., Any], args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> KeyInfo:
+    qual, import_path = callable_name(fn)
+    try:
+        sig = inspect.signature(fn)
+        bound = sig.bind(*args, **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise NotCacheable(f"cannot bind the arguments of {qual}: {exc}") from exc
+    bound.apply_defaults()
+    source_param = _source_param(sig)
+    normalized: dict[str, Any] = {}
+    source: str | None = None
+    for pname, value in bound.arguments.items():
+        kind = sig.parameters[pname].kind
+        if pname == source_param and isinstance(value, (str, os.PathLike)):
+            source = os.fspath(value)
+            sig_ = _source_signature(source)
+            if "hub" in sig_:
+                sig_ = _hub_signature(source, bound.arguments.get("revision"))
+            normalized[pname] = {"source": sig_}
+            if "local" in sig_:
+                source = sig_["local"]
+        elif kind is inspect.Parameter.VAR_KEYWORD:
+            normalized[pname] = {k: normalize(v, k) for k, v in sorted(value.items())}
+        else:
+            normalized[pname] = normalize(value, pname)
+    material = {"callable": qual, "code": _code_identity(fn), "args": normalized,
+                "versions": _versions(qual)}
+    digest = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+    return KeyInfo(key=digest[:32], name=_display_name(qual, bound, source_param),
+                   callable=qual, source=source,
+                   call=_replay_spec(import_path, args, kwargs))
+
+
+def _source_param(sig: inspect.Signature) -> str | None:
+    params = [p for p in sig.parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    for p in params:
+        if p.name in _SOURCE_PARAMS:
+            return p.name
+    return params[0].name if params else None
+
+
+def _display_name(qual: str, bound: inspect.BoundArguments, source_param: str | None) -> str:
+    parts = qual.split(".")
+    short = ".".join(parts[-2:]) if len(parts) >= 2 else qual
+    shown = ""
+    if source_param is not None and source_param in bound.arguments:
+        value = bound.arguments[source_param]
+        text = os.fspath(value) if isinstance(value, os.PathLike) else value
+        shown = repr(text) if not isinstance(text, str) or len(text) < 120 else repr(
+            "…" + text[-100:])
+    return f"{short}({shown})"
+
+
+# Note [Replay]: a refresh re-runs the recorded call in a fresh interpreter. Only calls
+# whose arguments survive a JSON round trip (plus dtypes) can be replayed.
+def _replay_spec(import_path: str, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    if "<" in import_path:
+        return None
+    try:
+        return {"callable": import_path, "args": [_replayable(a) for a in args],
+                "kwargs": {k: _replayable(v) for k, v in kwargs.items()},
+                "python": sys.executable, "sys_path": [p for p in sys.path if p],
+                "cwd": os.getcwd()}
+    except NotCacheable:
+        return None
+
+
+def _replayable(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, (list, tuple)):
+        return [_replayable(v) for v in value]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: _replayable(v) for k, v in value.items()}
+    torchy = _normalize_torch(value)
+    if torchy is not None:
+        return {"__torch__": torchy}
+    raise NotCacheable("not replayable")
+
+
+def revive(value: Any) -> Any:
+    """Inverse of the replay encoding (used by the refresh worker)."""
+    if isinstance(value, list):
+        return [revive(v) for v in value]
+    if isinstance(value, dict):
+        if set(value) == {"__torch__"}:
+            import torch
+
+            spec = value["__torch__"]
+            if "dtype" in spec:
+                return getattr(torch, spec["dtype"].removeprefix("torch."))
+            return torch.device(spec["device"])
+        return {k: revive(v) for k, v in value.items()}
+    return value

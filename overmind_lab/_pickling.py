@@ -1,0 +1,212 @@
+"""Pickling with tensor bytes out of band: ``reduce_*`` on the way in, ``rebuild_*`` out.
+
+:class:`StoragePickler` is a protocol-5 pickler whose ``persistent_id`` turns every torch
+storage into a small reference ``("s", segment, offset, nbytes, dtype, device, typed)``
+and whose ``buffer_callback`` takes large ``PickleBuffer`` objects (numpy arrays) out of
+the stream too. The stream itself is metadata only (~100 KB for a UNet). A
+:class:`WritePlan` decides where every byte goes: into the new segment, or, for a storage
+that already lives unchanged in a cached segment, nowhere (Note [Provenance] in
+``_segments``).
+
+:class:`StorageUnpickler` rebuilds storages with ``torch.frombuffer`` over the private
+mapping: no byte is copied, the tensor keeps the mapping alive.
+
+Nothing here is registered on a global pickler. ``dill`` is the fallback for objects
+plain pickle refuses (lambdas, nested functions).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import io
+import os
+import pickle
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from overmind_lab._errors import NotCacheable
+from overmind_lab._segments import Mapping, find_mapping
+
+__all__ = ["WritePlan", "dump", "load_stream", "ALIGN"]
+
+#: Storages start at multiples of this (SIMD kernels like aligned data).
+ALIGN = 64
+#: PickleBuffers smaller than this stay in the stream.
+MIN_OUT_OF_BAND = 64 * 1024
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass
+class WritePlan:
+    """Where each storage goes. Segment index 0 is the new segment; 1.. are references."""
+
+    size: int = 0
+    items: list[tuple[int, Any]] = field(default_factory=list)
+    keep_alive: list[Any] = field(default_factory=list)
+    refs: list[Mapping] = field(default_factory=list)
+    seen: dict[tuple[int, int, str], tuple[int, int]] = field(default_factory=dict)
+    buffers: list[tuple[int, int, int]] = field(default_factory=list)
+    tensors: int = 0
+    shared_bytes: int = 0
+
+    def place(self, data: Any, nbytes: int) -> int:
+        offset = _align(self.size)
+        self.items.append((offset, data))
+        self.size = offset + nbytes
+        return offset
+
+    def ref_index(self, mapping: Mapping) -> int:
+        for i, m in enumerate(self.refs):
+            if m is mapping:
+                return i + 1
+        self.refs.append(mapping)
+        return len(self.refs)
+
+    # -- reduce_* -----------------------------------------------------------------------
+    def reduce_storage(self, untyped: Any) -> tuple[int, int]:
+        """Place one storage; returns (segment index, offset)."""
+        nbytes = int(untyped.nbytes())
+        device = str(untyped.device)
+        ptr = int(untyped.data_ptr())
+        memo = (ptr, nbytes, device)
+        if memo in self.seen and nbytes:
+            return self.seen[memo]
+        self.tensors += 1
+        if untyped.device.type != "cpu":
+            untyped = untyped.cpu()  # cached on host, moved back on load
+            ptr = int(untyped.data_ptr())
+            self.keep_alive.append(untyped)
+        buf = (ctypes.c_char * nbytes).from_address(ptr) if nbytes else b""
+        where = find_mapping(ptr, nbytes) if nbytes and device == "cpu" else None
+        if where is not None and where[0].pristine_equal(where[1], nbytes, buf):
+            placed = (self.ref_index(where[0]), where[1])
+            self.shared_bytes += nbytes
+        else:
+            placed = (0, self.place(buf, nbytes))
+        self.seen[memo] = placed
+        return placed
+
+    def reduce_buffer(self, buf: pickle.PickleBuffer) -> bool:
+        raw = buf.raw()
+        if raw.nbytes < MIN_OUT_OF_BAND:
+            return True  # in band
+        offset = self.place(raw, raw.nbytes)
+        self.buffers.append((0, offset, raw.nbytes))
+        return False
+
+
+def _make_pickler(base: type, file: io.BytesIO, plan: WritePlan) -> Any:
+    import torch
+
+    class StoragePickler(base):  # type: ignore[misc, valid-type]
+        def persistent_id(self, obj: Any) -> Any:
+            if isinstance(obj, torch.storage.TypedStorage):
+                untyped, dtype, typed = obj._untyped_storage, obj.dtype, True
+            elif isinstance(obj, torch.UntypedStorage):
+                untyped, dtype, typed = obj, torch.uint8, False
+            else:
+                return None
+            seg, offset = plan.reduce_storage(untyped)
+            return ("s", seg, offset, int(untyped.nbytes()), str(dtype).removeprefix("torch."),
+                    str(untyped.device), typed)
+
+    return StoragePickler(file, protocol=5, buffer_callback=plan.reduce_buffer)
+
+
+def dump(obj: Any) -> tuple[bytes, WritePlan, str]:
+    """Pickle ``obj``; returns the stream, the plan of its bytes, and the pickler used."""
+    errors = []
+    for kind in ("pickle", "dill"):
+        plan = WritePlan()
+        file = io.BytesIO()
+        try:
+            base = pickle.Pickler if kind == "pickle" else _dill().Pickler
+            _make_pickler(base, file, plan).dump(obj)
+            return file.getvalue(), plan, kind
+        except (pickle.PicklingError, TypeError, AttributeError, ValueError) as exc:
+            errors.append(exc)
+        except RecursionError as exc:
+            raise NotCacheable(f"the result is nested too deeply to pickle: {exc}") from exc
+    raise NotCacheable(f"the result cannot be pickled: {errors[-1]}") from errors[-1]
+
+
+def _dill() -> Any:
+    import dill
+
+    return dill
+
+
+# -- rebuild_* --------------------------------------------------------------------------
+def rebuild_storage(mappings: list[Mapping], pid: tuple[Any, ...],
+                    memo: dict[tuple[int, int, int], Any]) -> Any:
+    import torch
+
+    _, seg, offset, nbytes, dtype_name, device, typed = pid
+    key = (seg, offset, nbytes)
+    untyped = memo.get(key)
+    if untyped is None:
+        if nbytes:
+            view = mappings[seg].view(offset, nbytes)
+            untyped = torch.frombuffer(view, dtype=torch.uint8).untyped_storage()
+        else:
+            untyped = torch.UntypedStorage(0)
+        if device != "cpu":
+            untyped = _to_device(untyped, torch.device(device))
+        memo[key] = untyped
+    if not typed:
+        return untyped
+    dtype = getattr(torch, dtype_name)
+    return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+
+
+def _to_device(untyped: Any, device: Any) -> Any:
+    import torch
+
+    host = torch.empty(0, dtype=torch.uint8).set_(untyped)
+    return host.to(device).untyped_storage()
+
+
+def _make_unpickler(base: type, file: io.BytesIO, mappings: list[Mapping],
+                    buffers: list[memoryview]) -> Any:
+    memo: dict[tuple[int, int, int], Any] = {}
+
+    class StorageUnpickler(base):  # type: ignore[misc, valid-type]
+        def persistent_load(self, pid: Any) -> Any:
+            if isinstance(pid, tuple) and pid and pid[0] == "s":
+                return rebuild_storage(mappings, pid, memo)
+            raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+
+        def find_class(self, module: str, name: str) -> Any:
+            if module.split(".")[0] in _DYNAMIC_PACKAGES and module not in sys.modules:
+                _add_dynamic_module_path()
+            return super().find_class(module, name)
+
+    return StorageUnpickler(file, buffers=buffers)
+
+
+def load_stream(stream: memoryview, kind: str, mappings: list[Mapping],
+                buffer_locations: list[tuple[int, int, int]]) -> Any:
+    """Rebuild an object from its stream and mapped segments."""
+    buffers = [mappings[s].view(o, n) for s, o, n in buffer_locations]
+    base = pickle.Unpickler if kind == "pickle" else _dill().Unpickler
+    return _make_unpickler(base, io.BytesIO(stream), mappings, buffers).load()
+
+
+# Note [Dynamic modules]: diffusers and transformers import code shipped with a model
+# (custom pipelines, trust_remote_code) as top-level packages living in HF_MODULES_CACHE.
+# A fresh process has not imported them yet: put that directory on sys.path first.
+_DYNAMIC_PACKAGES = {"diffusers_modules", "transformers_modules"}
+
+
+def _add_dynamic_module_path() -> None:
+    home = os.environ.get("HF_HOME", os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "huggingface"))
+    path = os.environ.get("HF_MODULES_CACHE", os.path.join(home, "modules"))
+    if path not in sys.path:
+        sys.path.append(path)
+        importlib.invalidate_caches()

@@ -1,0 +1,206 @@
+"""Length-prefixed JSON frames with file descriptors attached (SCM_RIGHTS).
+
+A frame is a 4-byte big-endian length followed by a UTF-8 JSON object. When a frame
+carries file descriptors they are attached to the ``sendmsg`` call that sends the frame's
+first bytes, and the JSON object says how many (``"nfds"``), so the reader can hand each
+frame exactly its own descriptors. :class:`Channel` is the blocking client side (every
+operation has a timeout), :class:`AsyncChannel` the daemon side (asyncio, non-blocking).
+
+Note [Descriptor ownership]: a received descriptor belongs to the receiver, who must close
+it (or keep it on purpose, as the daemon does with segment fds). A frame that arrives with
+descriptors it did not announce is a protocol error: its descriptors are closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+from overmind_lab._errors import ProtocolError
+
+__all__ = ["Channel", "AsyncChannel", "MAX_FRAME", "MAX_FDS"]
+
+_HEADER = struct.Struct(">I")
+MAX_FRAME = 64 * 1024 * 1024
+#: Linux refuses more than SCM_MAX_FD (253) descriptors in one message.
+MAX_FDS = 250
+_RECV_CHUNK = 256 * 1024
+
+Message = dict[str, Any]
+
+
+def encode(msg: Message, nfds: int) -> bytes:
+    if nfds > MAX_FDS:
+        raise ProtocolError(f"cannot send {nfds} file descriptors in one frame (max {MAX_FDS})")
+    body = dict(msg)
+    if nfds:
+        body["nfds"] = nfds
+    data = json.dumps(body, separators=(",", ":")).encode()
+    if len(data) > MAX_FRAME:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds the {MAX_FRAME} byte limit")
+    return _HEADER.pack(len(data)) + data
+
+
+class _FrameReader:
+    """Reassembles frames and their descriptors from a byte stream."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.fds: list[int] = []
+
+    def feed(self, data: bytes, fds: Sequence[int]) -> None:
+        self.buf += data
+        self.fds.extend(fds)
+
+    def next_frame(self) -> tuple[Message, list[int]] | None:
+        if len(self.buf) < _HEADER.size:
+            return None
+        (length,) = _HEADER.unpack_from(self.buf)
+        if length > MAX_FRAME:
+            self.close_fds()
+            raise ProtocolError(f"peer announced a {length} byte frame (max {MAX_FRAME})")
+        end = _HEADER.size + length
+        if len(self.buf) < end:
+            return None
+        raw = bytes(self.buf[_HEADER.size:end])
+        del self.buf[:end]
+        try:
+            msg = json.loads(raw)
+        except ValueError as exc:
+            self.close_fds()
+            raise ProtocolError(f"peer sent a frame that is not JSON: {exc}") from exc
+        if not isinstance(msg, dict):
+            self.close_fds()
+            raise ProtocolError("peer sent a frame that is not a JSON object")
+        nfds = int(msg.pop("nfds", 0))
+        if nfds > len(self.fds):
+            self.close_fds()
+            raise ProtocolError(f"frame announced {nfds} descriptors, {len(self.fds)} arrived")
+        fds, self.fds = self.fds[:nfds], self.fds[nfds:]
+        return msg, fds
+
+    def close_fds(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds.clear()
+
+
+def _check_flags(flags: int, fds: Sequence[int]) -> None:
+    if flags & socket.MSG_CTRUNC:
+        for fd in fds:
+            os.close(fd)
+        raise ProtocolError("descriptors were truncated in transit (too many open files?)")
+
+
+class Channel:
+    """Blocking, timeout-bounded frame channel over a connected Unix socket."""
+
+    def __init__(self, sock: socket.socket, timeout: float) -> None:
+        self.sock = sock
+        self.sock.settimeout(timeout)
+        self._reader = _FrameReader()
+
+    def settimeout(self, timeout: float) -> None:
+        self.sock.settimeout(timeout)
+
+    def send(self, msg: Message, fds: Sequence[int] = ()) -> None:
+        data = encode(msg, len(fds))
+        if fds:
+            sent = socket.send_fds(self.sock, [data], list(fds))
+            data = data[sent:]
+        if data:
+            self.sock.sendall(data)
+
+    def recv(self) -> tuple[Message, list[int]]:
+        """The next frame and its descriptors. Raises ``ProtocolError`` on EOF."""
+        while True:
+            frame = self._reader.next_frame()
+            if frame is not None:
+                return frame
+            data, fds, flags, _ = socket.recv_fds(self.sock, _RECV_CHUNK, MAX_FDS)
+            _check_flags(flags, fds)
+            if not data:
+                self._reader.close_fds()
+                for fd in fds:
+                    os.close(fd)
+                raise ProtocolError("the daemon closed the connection")
+            self._reader.feed(data, fds)
+
+    def close(self) -> None:
+        self._reader.close_fds()
+        self.sock.close()
+
+
+class AsyncChannel:
+    """The daemon's side: the same frames over a non-blocking socket, for asyncio."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self._reader = _FrameReader()
+        self._loop = asyncio.get_running_loop()
+
+    async def _wait(self, writable: bool) -> None:
+        fut: asyncio.Future[None] = self._loop.create_future()
+
+        def ready() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        fd = self.sock.fileno()
+        if writable:
+            self._loop.add_writer(fd, ready)
+        else:
+            self._loop.add_reader(fd, ready)
+        try:
+            await fut
+        finally:
+            if writable:
+                self._loop.remove_writer(fd)
+            else:
+                self._loop.remove_reader(fd)
+
+    async def send(self, msg: Message, fds: Sequence[int] = ()) -> None:
+        data = memoryview(encode(msg, len(fds)))
+        pending_fds = list(fds)
+        while data:
+            try:
+                if pending_fds:
+                    sent = socket.send_fds(self.sock, [data], pending_fds)
+                    pending_fds = []
+                else:
+                    sent = self.sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                await self._wait(writable=True)
+                continue
+            data = data[sent:]
+
+    async def recv(self) -> tuple[Message, list[int]] | None:
+        """The next frame, or ``None`` at a clean end of stream."""
+        while True:
+            frame = self._reader.next_frame()
+            if frame is not None:
+                return frame
+            try:
+                data, fds, flags, _ = socket.recv_fds(self.sock, _RECV_CHUNK, MAX_FDS)
+            except (BlockingIOError, InterruptedError):
+                await self._wait(writable=False)
+                continue
+            except ConnectionResetError:
+                return None
+            _check_flags(flags, fds)
+            if not data:
+                self._reader.close_fds()
+                for fd in fds:
+                    os.close(fd)
+                return None
+            self._reader.feed(data, fds)
+
+    def close(self) -> None:
+        self._reader.close_fds()
+        self.sock.close()

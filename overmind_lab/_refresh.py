@@ -1,0 +1,156 @@
+"""Refresh: put the current version of a model on disk into the cache.
+
+The daemon re-runs the recorded call (``Note [Replay]`` in ``_keys``) in a background
+process started with the interpreter that first stored the entry, inside
+``refreshing()``: the load reads the source again and stores under the key it computes
+now (a changed directory gives a new key). When the worker succeeds the daemon drops the
+old entry if the key changed; processes that still map the old version keep it. An entry
+whose call cannot be replayed is evicted, and the refresh says so.
+
+The daemon side (:class:`Refresher`) imports only the standard library; the worker side
+(``python -m overmind_lab._refresh``) imports the model libraries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+__all__ = ["attach", "Refresher"]
+
+log = logging.getLogger("overmind_lab.refresh")
+REFRESH_TIMEOUT = 3600.0
+
+
+def attach(daemon: Any) -> None:
+    daemon.refresher = Refresher(daemon)
+
+
+class Refresher:
+    def __init__(self, daemon: Any) -> None:
+        self.daemon = daemon
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+
+    def start(self, entry: Any) -> dict[str, Any]:
+        """Start refreshing ``entry``; returns the entry as listed."""
+        if entry.call is None:
+            self.daemon.index.evict(entry.key)
+            return self._view(entry, "failed", "this load cannot be replayed (its arguments "
+                                               "are not plain values); the entry was evicted")
+        if entry.key not in self.tasks:
+            entry.refresh = {"state": "running", "message": "reloading from source",
+                             "started": time.time()}
+            task = asyncio.ensure_future(self._run(entry))
+            self.tasks[entry.key] = task
+            task.add_done_callback(lambda _t, k=entry.key: self.tasks.pop(k, None))
+        return self._find(entry.key) or self._view(entry, **_state(entry))
+
+    def _view(self, entry: Any, state: str, message: str) -> dict[str, Any]:
+        entry.refresh = {"state": state, "message": message,
+                         "started": entry.refresh.get("started")}
+        return {"key": entry.key, "name": entry.name, "refresh": dict(entry.refresh),
+                "replayable": entry.call is not None}
+
+    def _find(self, key: str) -> dict[str, Any] | None:
+        return next((e for e in self.daemon.list_entries() if e["key"] == key), None)
+
+    async def _run(self, entry: Any) -> None:
+        call = entry.call
+        env = dict(os.environ)
+        env["OVERMIND_LAB_SOCKET"] = str(self.daemon.path)
+        env["PYTHONPATH"] = os.pathsep.join(call.get("sys_path", []))
+        started = time.monotonic()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                call.get("python") or sys.executable, "-m", "overmind_lab._refresh",
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, cwd=call.get("cwd") or "/", env=env)
+            out, err = await asyncio.wait_for(
+                proc.communicate(json.dumps({"key": entry.key, "call": call}).encode()),
+                REFRESH_TIMEOUT)
+        except (OSError, asyncio.TimeoutError) as exc:
+            entry.refresh.update(state="failed", message=f"could not run the refresh: {exc}")
+            return
+        seconds = time.monotonic() - started
+        result = _last_json(out)
+        if proc.returncode != 0 or not result.get("ok"):
+            detail = result.get("error") or err.decode(errors="replace").strip()[-500:]
+            entry.refresh.update(state="failed", message=f"refresh failed: {detail}")
+            log.warning("refresh of %s failed: %s", entry.key[:12], detail)
+            return
+        new_key = str(result.get("key"))
+        index = self.daemon.index
+        if new_key != entry.key and entry.key in index.entries:
+            index.evict(entry.key)
+        fresh = index.entries.get(new_key)
+        message = f"refreshed in {seconds:.1f} s" + (
+            " (the source changed: new entry)" if new_key != entry.key else "")
+        for target in (entry, fresh):
+            if target is not None:
+                target.refresh = {"state": "done", "message": message,
+                                  "started": entry.refresh.get("started"),
+                                  "previous": entry.key}
+        log.info("refreshed %s -> %s in %.1f s", entry.key[:12], new_key[:12], seconds)
+
+
+def _state(entry: Any) -> dict[str, str]:
+    return {"state": entry.refresh.get("state", "idle"),
+            "message": entry.refresh.get("message", "")}
+
+
+def _last_json(out: bytes) -> dict[str, Any]:
+    for line in reversed(out.decode(errors="replace").splitlines()):
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            return value
+    return {}
+
+
+# -- worker -----------------------------------------------------------------------------
+def _import_callable(path: str) -> Any:
+    import importlib
+
+    module_name, _, qual = path.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in qual.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def worker() -> int:
+    request = json.load(sys.stdin)
+    call = request["call"]
+    for p in reversed(call.get("sys_path", [])):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    try:
+        from overmind_lab._cache import load, record_loads, refreshing
+        from overmind_lab._keys import revive
+
+        fn = _import_callable(call["callable"])
+        args = revive(call.get("args", []))
+        kwargs = revive(call.get("kwargs", {}))
+        with refreshing(), record_loads() as events:
+            load(fn, *args, **kwargs)
+    except Exception as exc:  # reported to the daemon, which shows it to the user
+        print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}))
+        return 1
+    outcome = events[-1] if events else None
+    if outcome is None or outcome.outcome != "cold":
+        reason = outcome.reason if outcome else "nothing was loaded"
+        print(json.dumps({"ok": False, "error": f"the new version was not cached: {reason}"}))
+        return 1
+    print(json.dumps({"ok": True, "key": outcome.key, "seconds": outcome.seconds}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(worker())

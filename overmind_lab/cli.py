@@ -1,0 +1,199 @@
+"""``overmind-lab``: the command line for the daemon, the cache and the benchmark.
+
+::
+
+    overmind-lab serve [--budget 12GiB] [--detach]   run the daemon (foreground by default)
+    overmind-lab status [--json]                     is it running, memory, budget
+    overmind-lab ls [--json]                         cached entries and their statistics
+    overmind-lab evict KEY | --all                   drop entries (held copies keep working)
+    overmind-lab refresh KEY                         reload an entry from its source
+    overmind-lab stop                                stop the daemon
+    overmind-lab bench [...]                         cold vs warm benchmark
+
+Every command takes ``--socket PATH`` (default ``$OVERMIND_LAB_SOCKET`` or the per-user
+socket). Exit status: 0 success, 1 failure, 2 usage error, 3 daemon not running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from overmind_lab._errors import DaemonUnavailable, OvermindError
+from overmind_lab._paths import format_size
+
+__all__ = ["main"]
+
+NOT_RUNNING = 3
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from overmind_lab._client import Client
+
+    return Client(args.socket)
+
+
+def _print_json(data: Any) -> None:
+    json.dump(data, sys.stdout, indent=2, sort_keys=True)
+    sys.stdout.write("\n")
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def _median(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    status = _client(args).status()
+    if args.json:
+        _print_json(status)
+    elif not status["running"]:
+        print(f"not running (socket {status['socket']})")
+    else:
+        print(f"running      pid {status['pid']}, up {status['uptime_seconds']:.0f} s, "
+              f"version {status['version']}")
+        print(f"socket       {status['socket']}")
+        print(f"cached       {format_size(status['cached_bytes'])} in {status['entries']} "
+              f"entries, budget {format_size(status['budget_bytes'])}")
+        print(f"evicted      {format_size(status['evicted_mapped_bytes'])} still mapped "
+              "by processes")
+        print(f"memory       {format_size(status['memory_available_bytes'])} available of "
+              f"{format_size(status['memory_total_bytes'])}")
+    return 0 if status["running"] else NOT_RUNNING
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    entries = _client(args).entries()
+    if args.json:
+        _print_json(entries)
+        return 0
+    if not entries:
+        print("no cached entries")
+        return 0
+    now = time.time()
+    rows = []
+    for e in entries:
+        warm = _median(e["warm_seconds"])
+        rows.append([
+            e["key"][:12], e["name"], format_size(e["bytes"]), str(e["hits"]),
+            _seconds(e["cold_seconds"]), _seconds(warm),
+            f"{now - e['last_used']:.0f} s ago", ",".join(map(str, e["holders"])) or "-",
+        ])
+    print(_table(rows, ["KEY", "NAME", "SIZE", "HITS", "COLD", "WARM", "USED", "HOLDERS"]))
+    return 0
+
+
+def cmd_evict(args: argparse.Namespace) -> int:
+    client = _client(args)
+    if args.all == bool(args.key):
+        print("overmind-lab evict: give a KEY or --all (not both)", file=sys.stderr)
+        return 2
+    evicted = client.evict_all() if args.all else client.evict(args.key)
+    if args.json:
+        _print_json({"evicted": evicted})
+    else:
+        print(f"evicted {len(evicted)} entr{'y' if len(evicted) == 1 else 'ies'}")
+    return 0
+
+
+def cmd_refresh(args: argparse.Namespace) -> int:
+    entry = _client(args).refresh(args.key)
+    if args.json:
+        _print_json(entry)
+    else:
+        print(f"refreshing {entry['name']} in the background "
+              f"(see `overmind-lab ls`): {entry['refresh']['message']}")
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    stopped = _client(args).stop()
+    print("stopped" if stopped else "not running")
+    return 0 if stopped else NOT_RUNNING
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from overmind_lab._daemon import serve_command
+
+    return serve_command(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="overmind-lab", description="Warm model reloads for notebook development.")
+    parser.add_argument("--version", action="version",
+                        version=f"overmind-lab {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    def add(name: str, func: Any, help: str, json_flag: bool = True) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        p.set_defaults(func=func)
+        if json_flag:
+            p.add_argument("--json", action="store_true", help="machine-readable output")
+        if name != "serve":
+            p.add_argument("--socket", help="daemon socket (default: $OVERMIND_LAB_SOCKET "
+                                            "or the per-user socket)")
+        return p
+
+    from overmind_lab._daemon import add_serve_arguments
+
+    add_serve_arguments(add("serve", cmd_serve, "run the cache daemon", json_flag=False))
+    add("status", cmd_status, "show whether the daemon runs and what it holds")
+    add("ls", cmd_ls, "list cached entries with their statistics")
+    evict = add("evict", cmd_evict, "evict entries (processes holding them keep working)")
+    evict.add_argument("key", nargs="?", help="entry key, unique key prefix, or exact name")
+    evict.add_argument("--all", action="store_true", help="evict every entry")
+    refresh = add("refresh", cmd_refresh, "reload an entry from its source")
+    refresh.add_argument("key", help="entry key or unique key prefix")
+    add("stop", cmd_stop, "stop the daemon", json_flag=False)
+    try:
+        from overmind_lab import bench
+    except ImportError:
+        bench = None
+    if bench is not None and hasattr(bench, "add_parser"):
+        bench.add_parser(sub)
+    return parser
+
+
+def _version() -> str:
+    from overmind_lab import __version__
+
+    return __version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except DaemonUnavailable as exc:
+        print(f"overmind-lab: {exc}", file=sys.stderr)
+        return NOT_RUNNING
+    except OvermindError as exc:
+        print(f"overmind-lab: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
