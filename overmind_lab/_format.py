@@ -1,0 +1,152 @@
+"""Human formatting shared by the magics, the widget and the examples.
+
+Sizes use binary units (``1.5 GiB``), durations pick a unit a person reads at a glance
+(``48 ms``, ``2.91 s``, ``3 min 05 s``), and tables come out either as aligned text (a
+terminal) or as an HTML ``<table>`` (JupyterLab, VS Code). Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from ._paths import format_size
+
+__all__ = [
+    "format_bytes",
+    "format_seconds",
+    "format_speedup",
+    "format_ago",
+    "describe_load",
+    "text_table",
+    "html_table",
+]
+
+
+def format_bytes(n: float | None) -> str:
+    """``1536 -> '1.5 KiB'``; ``None`` (unknown) -> ``'-'``."""
+    return "-" if n is None else format_size(n)
+
+
+def format_seconds(seconds: float | None) -> str:
+    """``0.0481 -> '48 ms'``, ``2.913 -> '2.91 s'``, ``185 -> '3 min 05 s'``.
+
+    >>> format_seconds(0.05)
+    '0.05 s'
+    """
+    if seconds is None:
+        return "-"
+    if seconds < 0.01:
+        return f"{seconds * 1000:.2g} ms"
+    if seconds < 60:
+        return f"{seconds:.3g} s" if seconds >= 10 else f"{seconds:.2f} s"
+    minutes, rest = divmod(int(round(seconds)), 60)
+    if minutes < 60:
+        return f"{minutes} min {rest:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
+
+
+def format_speedup(cold: float | None, warm: float | None) -> str:
+    """How many times faster the warm load was: ``'41x'``; ``''`` when not meaningful."""
+    if not cold or not warm or warm <= 0:
+        return ""
+    ratio = cold / warm
+    return f"{ratio:.0f}x" if ratio >= 10 else f"{ratio:.1f}x"
+
+
+def format_ago(epoch: float | None, now: float | None = None) -> str:
+    """``'12 s ago'``, ``'3 min ago'``: for ``created`` / ``last_used`` stamps."""
+    if not epoch:
+        return "-"
+    delta = max(0.0, (time.time() if now is None else now) - epoch)
+    if delta < 60:
+        return f"{delta:.0f} s ago"
+    if delta < 3600:
+        return f"{delta / 60:.0f} min ago"
+    if delta < 86400:
+        return f"{delta / 3600:.1f} h ago"
+    return f"{delta / 86400:.1f} days ago"
+
+
+def describe_load(event: Any) -> str:
+    """One line for a ``LoadEvent``, e.g. ``warm 0.05 s (cold load was 2.91 s, 41x)``.
+
+    The callable and its main argument follow after two spaces, so that several lines
+    (a ``%%overmind_load`` cell) stay readable.
+    """
+    outcome = getattr(event, "outcome", "?")
+    seconds = format_seconds(getattr(event, "seconds", None))
+    cold = getattr(event, "cold_seconds", None)
+    reason = getattr(event, "reason", None)
+    if outcome == "warm":
+        if cold:
+            speedup = format_speedup(cold, getattr(event, "seconds", None))
+            extra = f", {speedup}" if speedup else ""
+            text = f"warm {seconds} (cold load was {format_seconds(cold)}{extra})"
+        else:
+            text = f"warm {seconds}"
+    elif outcome == "cold":
+        text = f"cold {seconds}, now cached"
+    elif outcome == "bypass":
+        text = f"cold {seconds} (cache bypassed)"
+    elif outcome == "uncached":
+        text = f"loaded {seconds}, not cached" + (f": {reason}" if reason else "")
+    elif outcome == "fallback":
+        text = f"loaded {seconds} without the cache" + (f": {reason}" if reason else "")
+    else:
+        text = f"{outcome} {seconds}" + (f": {reason}" if reason else "")
+    name = getattr(event, "name", None)
+    return f"{text}  {name}" if name else text
+
+
+def _cells(rows: Iterable[Sequence[object]]) -> list[list[str]]:
+    return [["" if c is None else str(c) for c in row] for row in rows]
+
+
+def text_table(
+    headers: Sequence[str], rows: Iterable[Sequence[object]], *, right: Sequence[int] = ()
+) -> str:
+    """An aligned plain-text table; columns whose index is in ``right`` align right."""
+    body = _cells(rows)
+    widths = [len(h) for h in headers]
+    for row in body:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [
+            c.rjust(widths[i]) if i in right else c.ljust(widths[i]) for i, c in enumerate(cells)
+        ]
+        return "  ".join(parts).rstrip()
+
+    out = [line(list(headers)), line(["-" * w for w in widths])]
+    out.extend(line(row) for row in body)
+    return "\n".join(out)
+
+
+def html_table(
+    headers: Sequence[str],
+    rows: Iterable[Sequence[object]],
+    *,
+    right: Sequence[int] = (),
+    titles: Sequence[str | None] | None = None,
+) -> str:
+    """An HTML table with every cell escaped; ``titles`` (one per row) become tooltips on
+    the first cell (the full cache key, say)."""
+    body = _cells(rows)
+    style = ' style="text-align:right"'
+    head = "".join(
+        f"<th{style if i in right else ''}>{html.escape(h)}</th>" for i, h in enumerate(headers)
+    )
+    trs = []
+    for r, row in enumerate(body):
+        tds = []
+        for i, cell in enumerate(row):
+            title = titles[r] if titles is not None and i == 0 else None
+            attr = f' title="{html.escape(title)}"' if title else ""
+            tds.append(f"<td{attr}{style if i in right else ''}>{html.escape(cell)}</td>")
+        trs.append("<tr>" + "".join(tds) + "</tr>")
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(trs)}</tbody></table>"
