@@ -1,0 +1,221 @@
+import {
+  formatAgo,
+  formatBytes,
+  formatDuration,
+  formatSeconds,
+  formatSpeedup,
+  holdersLabel,
+  median,
+  memoryBar,
+  shortName,
+  sortEntries,
+  sourceLabel,
+  speedup,
+  timingBar
+} from '../format';
+import { IStatus } from '../types';
+import { makeEntry } from './fixtures';
+
+describe('formatBytes', () => {
+  it.each([
+    [0, '0 B'],
+    [1023, '1023 B'],
+    [1024, '1 KiB'],
+    [1536, '1.5 KiB'],
+    [3_438_167_536, '3.2 GiB'],
+    [12 * 1024 ** 3, '12 GiB'],
+    [5 * 1024 ** 5, '5120 TiB']
+  ])('%d -> %s', (bytes, text) => {
+    expect(formatBytes(bytes)).toBe(text);
+  });
+
+  it('shows a dash for missing values', () => {
+    expect(formatBytes(null)).toBe('–');
+    expect(formatBytes(undefined)).toBe('–');
+    expect(formatBytes(NaN)).toBe('–');
+  });
+});
+
+describe('formatSeconds', () => {
+  it.each([
+    [0.0004, '<1 ms'],
+    [0.0381, '38 ms'],
+    [0.9994, '999 ms'],
+    [4.23, '4.2 s'],
+    [12.6, '13 s'],
+    [125, '2 min 5 s'],
+    [7260, '2 h 1 min']
+  ])('%d -> %s', (seconds, text) => {
+    expect(formatSeconds(seconds)).toBe(text);
+  });
+
+  it('shows a dash for null', () => {
+    expect(formatSeconds(null)).toBe('–');
+  });
+});
+
+describe('formatDuration', () => {
+  it.each([
+    [0, '0 s'],
+    [42.9, '42 s'],
+    [185, '3 min 5 s'],
+    [3600, '1 h'],
+    [7620, '2 h 7 min'],
+    [3 * 86400 + 4 * 3600 + 59, '3 d 4 h']
+  ])('%d -> %s', (seconds, text) => {
+    expect(formatDuration(seconds)).toBe(text);
+  });
+});
+
+describe('formatAgo', () => {
+  const now = 1_700_000_000_000;
+  it.each([
+    [now / 1000 - 3, 'just now'],
+    [now / 1000 + 5, 'just now'],
+    [now / 1000 - 45, '45 s ago'],
+    [now / 1000 - 300, '5 min ago'],
+    [now / 1000 - 7300, '2 h ago'],
+    [now / 1000 - 3 * 86400, '3 d ago']
+  ])('%d -> %s', (epoch, text) => {
+    expect(formatAgo(epoch, now)).toBe(text);
+  });
+});
+
+describe('median and speed-up', () => {
+  it('takes the middle value, or the mean of the two middle ones', () => {
+    expect(median([3, 1, 2])).toBe(2);
+    expect(median([4, 1, 3, 2])).toBe(2.5);
+    expect(median([])).toBeNull();
+  });
+
+  it('is cold seconds over the median warm seconds', () => {
+    expect(speedup(makeEntry({ cold_seconds: 4, warm_seconds: [0.1, 0.04, 0.05] }))).toBe(80);
+  });
+
+  it('is unknown before the first warm load, or without a cold time', () => {
+    expect(speedup(makeEntry({ warm_seconds: [] }))).toBeNull();
+    expect(speedup(makeEntry({ cold_seconds: null }))).toBeNull();
+    expect(speedup(makeEntry({ warm_seconds: [0] }))).toBeNull();
+  });
+
+  it('formats factors', () => {
+    expect(formatSpeedup(110.4)).toBe('110×');
+    expect(formatSpeedup(3.14)).toBe('3.1×');
+    expect(formatSpeedup(2)).toBe('2×');
+    expect(formatSpeedup(null)).toBe('–');
+  });
+});
+
+describe('timingBar', () => {
+  it('scales both bars to the longer time', () => {
+    const bar = timingBar(makeEntry({ cold_seconds: 4, warm_seconds: [1, 1, 1] }));
+    expect(bar.cold).toBe(1);
+    expect(bar.warm).toBe(0.25);
+    expect(bar.speedup).toBe(4);
+  });
+
+  it('keeps a sliver visible for a very fast warm load', () => {
+    const bar = timingBar(makeEntry({ cold_seconds: 100, warm_seconds: [0.001] }));
+    expect(bar.warm).toBe(0.01);
+  });
+
+  it('has no warm bar before a warm load', () => {
+    const bar = timingBar(makeEntry({ cold_seconds: 4, warm_seconds: [] }));
+    expect(bar).toEqual({ cold: 1, warm: 0, coldSeconds: 4, warmSeconds: null, speedup: null });
+  });
+});
+
+describe('memoryBar', () => {
+  const gib = 1024 ** 3;
+  const running: IStatus = {
+    running: true,
+    socket: '/tmp/s',
+    cached_bytes: 8 * gib,
+    budget_bytes: 32 * gib,
+    memory_total_bytes: 64 * gib,
+    memory_available_bytes: 40 * gib
+  };
+
+  it('splits system memory into cache, others and free, with the budget mark', () => {
+    expect(memoryBar(running)).toEqual({
+      cached: 0.125,
+      other: 0.25,
+      budget: 0.5,
+      overBudget: false
+    });
+  });
+
+  it('flags a cache over its budget', () => {
+    expect(memoryBar({ ...running, cached_bytes: 33 * gib }).overBudget).toBe(true);
+  });
+
+  it('shows only system memory when the daemon is down', () => {
+    const down: IStatus = {
+      running: false,
+      socket: '/tmp/s',
+      memory_total_bytes: 64 * gib,
+      memory_available_bytes: 48 * gib
+    };
+    expect(memoryBar(down)).toEqual({ cached: 0, other: 0.25, budget: null, overBudget: false });
+  });
+
+  it('survives missing memory numbers', () => {
+    const bare: IStatus = {
+      running: false,
+      socket: '/tmp/s',
+      memory_total_bytes: null,
+      memory_available_bytes: null
+    };
+    expect(memoryBar(bare)).toEqual({ cached: 0, other: 0, budget: null, overBudget: false });
+  });
+});
+
+describe('names', () => {
+  it('shortens a call to its callable', () => {
+    expect(shortName(makeEntry())).toBe('UNet2DConditionModel.from_pretrained');
+    expect(shortName(makeEntry({ name: '', callable: 'mod.load' }))).toBe('mod.load');
+  });
+
+  it('labels a source by its last path component', () => {
+    expect(sourceLabel('/models/sd/unet/')).toBe('unet');
+    expect(sourceLabel('runwayml/stable-diffusion-v1-5')).toBe('stable-diffusion-v1-5');
+    expect(sourceLabel('tiny')).toBe('tiny');
+    expect(sourceLabel(null)).toBe('');
+  });
+
+  it('counts holders', () => {
+    expect(holdersLabel([])).toBe('no process');
+    expect(holdersLabel([12])).toBe('1 process');
+    expect(holdersLabel([12, 13])).toBe('2 processes');
+  });
+});
+
+describe('sortEntries', () => {
+  const a = makeEntry({ key: 'aa', name: 'b', bytes: 10, hits: 5, last_used: 30 });
+  const b = makeEntry({ key: 'bb', name: 'a', bytes: 30, hits: 1, last_used: 10 });
+  const c = makeEntry({
+    key: 'cc',
+    name: 'c',
+    bytes: 5,
+    shared_bytes: 100,
+    hits: 9,
+    last_used: 20,
+    warm_seconds: []
+  });
+
+  it.each([
+    ['last_used', ['aa', 'cc', 'bb']],
+    ['bytes', ['cc', 'bb', 'aa']],
+    ['name', ['bb', 'aa', 'cc']],
+    ['hits', ['cc', 'aa', 'bb']],
+    ['speedup', ['aa', 'bb', 'cc']]
+  ] as const)('by %s', (by, keys) => {
+    expect(sortEntries([a, b, c], by).map(e => e.key)).toEqual(keys);
+  });
+
+  it('breaks ties by key and leaves the input alone', () => {
+    const input = [makeEntry({ key: 'zz' }), makeEntry({ key: 'mm' })];
+    expect(sortEntries(input, 'hits').map(e => e.key)).toEqual(['mm', 'zz']);
+    expect(input.map(e => e.key)).toEqual(['zz', 'mm']);
+  });
+});

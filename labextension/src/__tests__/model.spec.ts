@@ -1,0 +1,167 @@
+import { OvermindModel } from '../model';
+import { makeEntry, MemoryAPI } from './fixtures';
+
+function setup(): { api: MemoryAPI; model: OvermindModel; changes: () => number } {
+  const api = new MemoryAPI();
+  const model = new OvermindModel(api);
+  let n = 0;
+  model.changed.connect(() => {
+    n += 1;
+  });
+  return { api, model, changes: () => n };
+}
+
+describe('OvermindModel.update', () => {
+  it('reads status and entries, in the chosen order', async () => {
+    const { api, model, changes } = setup();
+    api.entryList = [
+      makeEntry({ key: 'aa', bytes: 1, last_used: 2 }),
+      makeEntry({ key: 'bb', bytes: 9, last_used: 1 })
+    ];
+    expect(model.status).toBeNull();
+    await model.update();
+    expect(model.status?.running).toBe(true);
+    expect(model.status?.entries).toBe(2);
+    expect(model.entries.map(e => e.key)).toEqual(['aa', 'bb']);
+    model.sortBy = 'bytes';
+    expect(model.entries.map(e => e.key)).toEqual(['bb', 'aa']);
+    expect(changes()).toBe(2);
+  });
+
+  it('treats a stopped daemon as a state, not an error', async () => {
+    const { api, model } = setup();
+    api.running = false;
+    await model.update();
+    expect(model.status?.running).toBe(false);
+    expect(model.entries).toEqual([]);
+    expect(model.error).toBeNull();
+  });
+
+  it('records why the server could not be reached, rejects, and recovers', async () => {
+    const { api, model } = setup();
+    api.failure = new Error('Failed to fetch');
+    await expect(model.update()).rejects.toThrow('Failed to fetch');
+    expect(model.error).toBe('Failed to fetch');
+    api.failure = null;
+    await model.update();
+    expect(model.error).toBeNull();
+  });
+});
+
+describe('OvermindModel actions', () => {
+  it('evicts one entry and says so', async () => {
+    const { api, model } = setup();
+    api.entryList = [makeEntry({ key: 'aa', name: 'A()' }), makeEntry({ key: 'bb' })];
+    await model.update();
+    const done = model.evict('aa');
+    expect(model.pending('aa')).toBe('evict');
+    await done;
+    expect(model.pending('aa')).toBeNull();
+    expect(model.entries.map(e => e.key)).toEqual(['bb']);
+    expect(api.entryList.map(e => e.key)).toEqual(['bb']);
+    expect(model.notice).toEqual({ kind: 'info', text: 'Evicted A().' });
+  });
+
+  it('ignores a second click while the first action runs', async () => {
+    const { api, model } = setup();
+    api.entryList = [makeEntry({ key: 'aa' })];
+    await model.update();
+    await Promise.all([model.evict('aa'), model.evict('aa')]);
+    expect(api.calls.filter(c => c.startsWith('evict'))).toEqual(['evict aa']);
+  });
+
+  it("shows the server's message when an action fails", async () => {
+    const { api, model } = setup();
+    api.entryList = [makeEntry({ key: 'aa' })];
+    await model.update();
+    api.entryList = [];
+    await model.evict('aa');
+    expect(model.notice).toEqual({
+      kind: 'error',
+      text: "Evict failed: no cache entry matches 'aa'"
+    });
+  });
+
+  it('evicts everything', async () => {
+    const { api, model } = setup();
+    api.entryList = [makeEntry({ key: 'aa' }), makeEntry({ key: 'bb' })];
+    await model.update();
+    await model.evictAll();
+    expect(model.entries).toEqual([]);
+    expect(model.evictingAll).toBe(false);
+    expect(model.notice?.text).toBe('Evicted 2 entries.');
+  });
+
+  it('starts the daemon', async () => {
+    const { api, model } = setup();
+    api.running = false;
+    await model.update();
+    await model.startDaemon();
+    expect(model.starting).toBe(false);
+    expect(model.status?.running).toBe(true);
+    expect(api.calls).toContain('start');
+  });
+});
+
+describe('OvermindModel refresh progress', () => {
+  it('shows progress until the daemon reports the refresh done', async () => {
+    const { api, model } = setup();
+    api.entryList = [makeEntry({ key: 'aa', name: 'A()' })];
+    await model.update();
+    expect(model.hasRunningRefresh).toBe(false);
+
+    await model.refresh('aa');
+    expect(model.isRefreshing(model.entries[0])).toBe(true);
+    expect(model.hasRunningRefresh).toBe(true);
+
+    await model.update(); // still running in the daemon
+    expect(model.isRefreshing(model.entries[0])).toBe(true);
+    expect(model.notice).toBeNull();
+
+    api.entryList[0].refresh = { state: 'done', message: '', started: 1_700_000_000 };
+    await model.update();
+    expect(model.isRefreshing(model.entries[0])).toBe(false);
+    expect(model.hasRunningRefresh).toBe(false);
+    expect(model.notice).toEqual({ kind: 'info', text: 'Refreshed A().' });
+  });
+
+  it('counts a replaced entry (new key) as a finished refresh', async () => {
+    const { api, model } = setup();
+    api.entryList = [makeEntry({ key: 'aa', name: 'A()' })];
+    await model.update();
+    await model.refresh('aa');
+    api.entryList = [makeEntry({ key: 'cc', name: 'A()' })];
+    await model.update();
+    expect(model.entries.map(e => e.key)).toEqual(['cc']);
+    expect(model.hasRunningRefresh).toBe(false);
+    expect(model.notice?.text).toBe('Refreshed A().');
+  });
+
+  it('reports a failed refresh with its reason', async () => {
+    const { api, model } = setup();
+    api.entryList = [makeEntry({ key: 'aa', name: 'A()' })];
+    await model.update();
+    await model.refresh('aa');
+    api.entryList[0].refresh = {
+      state: 'failed',
+      message: 'OSError: no such directory',
+      started: 1
+    };
+    await model.update();
+    expect(model.notice).toEqual({
+      kind: 'error',
+      text: 'Refresh of A() failed: OSError: no such directory'
+    });
+    expect(model.hasRunningRefresh).toBe(false);
+  });
+
+  it('shows a refresh started elsewhere (another sidebar, the CLI) as running', async () => {
+    const { api, model } = setup();
+    api.entryList = [
+      makeEntry({ key: 'aa', refresh: { state: 'running', message: 'loading', started: 5 } })
+    ];
+    await model.update();
+    expect(model.isRefreshing(model.entries[0])).toBe(true);
+    expect(model.hasRunningRefresh).toBe(true);
+  });
+});

@@ -1,0 +1,215 @@
+/**
+ * Pure formatting and ordering for the sidebar: no DOM, no JupyterLab imports, so jest
+ * tests it directly.
+ */
+
+import { IEntry, IStatus, SortKey } from './types';
+
+const BINARY_UNITS = ['B', 'KiB', 'MiB', 'GiB', 'TiB'];
+
+/** `1536 -> '1.5 KiB'`: binary units, three significant digits (as `overmind-lab status`). */
+export function formatBytes(bytes: number | null | undefined): string {
+  if (bytes === null || bytes === undefined || !Number.isFinite(bytes)) {
+    return '–';
+  }
+  let value = bytes;
+  for (const unit of BINARY_UNITS) {
+    if (Math.abs(value) < 1024 || unit === 'TiB') {
+      return unit === 'B'
+        ? `${Math.round(value)} B`
+        : `${Number(value.toPrecision(3))} ${unit}`;
+    }
+    value /= 1024;
+  }
+  throw new Error('unreachable');
+}
+
+/** A load time: `0.0381 -> '38 ms'`, `4.23 -> '4.2 s'`, `125 -> '2 min 5 s'`. */
+export function formatSeconds(seconds: number | null | undefined): string {
+  if (seconds === null || seconds === undefined || !Number.isFinite(seconds)) {
+    return '–';
+  }
+  if (seconds < 0.001) {
+    return '<1 ms';
+  }
+  if (seconds < 1) {
+    return `${Math.round(seconds * 1000)} ms`;
+  }
+  if (seconds < 10) {
+    return `${Number(seconds.toFixed(1))} s`;
+  }
+  if (seconds < 60) {
+    return `${Math.round(seconds)} s`;
+  }
+  return formatDuration(seconds);
+}
+
+/** A span of time such as an uptime: `'42 s'`, `'3 min 5 s'`, `'2 h 7 min'`, `'3 d 4 h'`. */
+export function formatDuration(seconds: number | null | undefined): string {
+  if (seconds === null || seconds === undefined || !Number.isFinite(seconds)) {
+    return '–';
+  }
+  const s = Math.max(0, Math.floor(seconds));
+  const parts: [number, string][] = [
+    [Math.floor(s / 86400), 'd'],
+    [Math.floor((s % 86400) / 3600), 'h'],
+    [Math.floor((s % 3600) / 60), 'min'],
+    [s % 60, 's']
+  ];
+  const first = parts.findIndex(([n]) => n > 0);
+  if (first === -1) {
+    return '0 s';
+  }
+  return parts
+    .slice(first, first + 2)
+    .filter(([n]) => n > 0)
+    .map(([n, unit]) => `${n} ${unit}`)
+    .join(' ');
+}
+
+/** How long ago an epoch-seconds time was: `'just now'`, `'5 min ago'`, `'2 d ago'`. */
+export function formatAgo(epochSeconds: number, nowMs: number = Date.now()): string {
+  const ago = nowMs / 1000 - epochSeconds;
+  if (!Number.isFinite(ago)) {
+    return '–';
+  }
+  if (ago < 10) {
+    return 'just now';
+  }
+  if (ago < 60) {
+    return `${Math.floor(ago)} s ago`;
+  }
+  if (ago < 3600) {
+    return `${Math.floor(ago / 60)} min ago`;
+  }
+  if (ago < 86400) {
+    return `${Math.floor(ago / 3600)} h ago`;
+  }
+  return `${Math.floor(ago / 86400)} d ago`;
+}
+
+/** Median of a list of numbers, or null for an empty list. */
+export function median(values: readonly number[]): number | null {
+  const finite = values.filter(v => Number.isFinite(v));
+  if (finite.length === 0) {
+    return null;
+  }
+  const sorted = [...finite].sort((a, b) => a - b);
+  const mid = Math.floor(sorted.length / 2);
+  return sorted.length % 2 ? sorted[mid] : (sorted[mid - 1] + sorted[mid]) / 2;
+}
+
+/** Cold load time over the median warm load time, or null before the first warm load. */
+export function speedup(entry: Pick<IEntry, 'cold_seconds' | 'warm_seconds'>): number | null {
+  const warm = median(entry.warm_seconds);
+  const cold = entry.cold_seconds;
+  if (warm === null || cold === null || !(warm > 0) || !(cold > 0)) {
+    return null;
+  }
+  return cold / warm;
+}
+
+/** `110.4 -> '110×'`, `3.14 -> '3.1×'`. */
+export function formatSpeedup(factor: number | null): string {
+  if (factor === null || !Number.isFinite(factor)) {
+    return '–';
+  }
+  return factor >= 10 ? `${Math.round(factor)}×` : `${Number(factor.toFixed(1))}×`;
+}
+
+/** Widths (0..1) of the cold and warm bars of an entry's timing bar. */
+export interface ITimingBar {
+  cold: number;
+  warm: number;
+  coldSeconds: number | null;
+  warmSeconds: number | null;
+  speedup: number | null;
+}
+
+/** Cold against median warm, scaled to the longer of the two. */
+export function timingBar(entry: Pick<IEntry, 'cold_seconds' | 'warm_seconds'>): ITimingBar {
+  const cold = entry.cold_seconds !== null && entry.cold_seconds > 0 ? entry.cold_seconds : null;
+  const warm = median(entry.warm_seconds);
+  const longest = Math.max(cold ?? 0, warm ?? 0);
+  const width = (s: number | null): number =>
+    s === null || longest <= 0 ? 0 : Math.max(0.01, Math.min(1, s / longest));
+  return {
+    cold: width(cold),
+    warm: width(warm),
+    coldSeconds: cold,
+    warmSeconds: warm,
+    speedup: speedup(entry)
+  };
+}
+
+/** Shares (0..1) of system memory for the header's memory bar. */
+export interface IMemoryBar {
+  /** The cache's own bytes. */
+  cached: number;
+  /** Memory in use by everything else. */
+  other: number;
+  /** Where the cache budget ends. */
+  budget: number | null;
+  /** Whether the cache holds more than its budget (it evicts on the next store). */
+  overBudget: boolean;
+}
+
+const clamp01 = (x: number): number => Math.max(0, Math.min(1, x));
+
+/** The memory bar is scaled to system memory: [cache | others | available], budget mark. */
+export function memoryBar(status: IStatus): IMemoryBar {
+  const total = status.memory_total_bytes ?? 0;
+  const available = status.memory_available_bytes ?? total;
+  const cachedBytes = status.running ? status.cached_bytes ?? 0 : 0;
+  const budgetBytes = status.running ? status.budget_bytes ?? null : null;
+  if (!(total > 0)) {
+    return { cached: 0, other: 0, budget: null, overBudget: false };
+  }
+  const cached = clamp01(cachedBytes / total);
+  const used = clamp01((total - available) / total);
+  return {
+    cached,
+    other: clamp01(used - cached),
+    budget: budgetBytes === null ? null : clamp01(budgetBytes / total),
+    overBudget: budgetBytes !== null && cachedBytes > budgetBytes
+  };
+}
+
+/** The short name of a call: `'UNet2DConditionModel.from_pretrained'` from its `name`. */
+export function shortName(entry: Pick<IEntry, 'name' | 'callable'>): string {
+  const paren = entry.name.indexOf('(');
+  const head = paren > 0 ? entry.name.slice(0, paren) : entry.name;
+  return head || entry.callable;
+}
+
+/** Last path component of an entry's source (`'/m/sd/unet' -> 'unet'`), or ''. */
+export function sourceLabel(source: string | null): string {
+  if (!source) {
+    return '';
+  }
+  const trimmed = source.replace(/\/+$/, '');
+  const slash = trimmed.lastIndexOf('/');
+  return slash >= 0 && slash < trimmed.length - 1 ? trimmed.slice(slash + 1) : trimmed;
+}
+
+const COMPARATORS: Record<SortKey, (a: IEntry, b: IEntry) => number> = {
+  last_used: (a, b) => b.last_used - a.last_used,
+  bytes: (a, b) => b.bytes + b.shared_bytes - (a.bytes + a.shared_bytes),
+  name: (a, b) => a.name.localeCompare(b.name),
+  hits: (a, b) => b.hits - a.hits,
+  speedup: (a, b) => (speedup(b) ?? -1) - (speedup(a) ?? -1)
+};
+
+/** A sorted copy; ties keep a stable order by key, so rows don't jump between polls. */
+export function sortEntries(entries: readonly IEntry[], by: SortKey): IEntry[] {
+  const cmp = COMPARATORS[by];
+  return [...entries].sort((a, b) => cmp(a, b) || a.key.localeCompare(b.key));
+}
+
+/** `'1 process'`, `'3 processes'`, `'no process'`. */
+export function holdersLabel(holders: readonly number[]): string {
+  if (holders.length === 0) {
+    return 'no process';
+  }
+  return holders.length === 1 ? '1 process' : `${holders.length} processes`;
+}

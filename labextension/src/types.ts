@@ -1,0 +1,78 @@
+/**
+ * JSON shapes of the overmind-lab REST API (`<base_url>/overmind-lab/api/v1/`).
+ *
+ * They mirror the daemon's Status JSON and Entry JSON (docs/internals.md); fields the
+ * daemon leaves out when it is down are optional.
+ */
+
+/** Progress of a background refresh of one entry. */
+export interface IRefresh {
+  state: 'idle' | 'running' | 'done' | 'failed';
+  message: string;
+  /** Epoch seconds, or null when no refresh ever ran. */
+  started: number | null;
+}
+
+/** One cached result, as `GET entries` lists it. */
+export interface IEntry {
+  /** Hex cache key; also the id in `entries/<key>/...` routes. */
+  key: string;
+  /** Human name of the call, e.g. `UNet2DConditionModel.from_pretrained('/m/unet')`. */
+  name: string;
+  /** Qualified class of the cached result. */
+  class: string;
+  /** Qualified callable that produced it. */
+  callable: string;
+  /** Main argument (usually the model path), or null. */
+  source: string | null;
+  /** Bytes of the entry's own segments. */
+  bytes: number;
+  /** Bytes referenced from other entries (e.g. a shared `vae=vae`). */
+  shared_bytes: number;
+  tensors: number;
+  /** Epoch seconds. */
+  created: number;
+  /** Epoch seconds. */
+  last_used: number;
+  hits: number;
+  cold_seconds: number | null;
+  store_seconds: number | null;
+  /** Recent warm load times, newest last. */
+  warm_seconds: number[];
+  /** Pids of the processes that map the entry now. */
+  holders: number[];
+  /** Whether the daemon can re-run the recorded call (refresh). */
+  replayable: boolean;
+  refresh: IRefresh;
+}
+
+/** `GET status`. */
+export interface IStatus {
+  running: boolean;
+  socket: string;
+  pid?: number;
+  version?: string;
+  started?: number;
+  uptime_seconds?: number;
+  budget_bytes?: number;
+  cached_bytes?: number;
+  evicted_mapped_bytes?: number;
+  entries?: number;
+  memory_total_bytes: number | null;
+  memory_available_bytes: number | null;
+  /** Set when the daemon answered but something was wrong. */
+  error?: string;
+}
+
+/** Everything the sidebar needs from the server extension. */
+export interface IOvermindAPI {
+  status(): Promise<IStatus>;
+  entries(): Promise<IEntry[]>;
+  evict(key: string): Promise<string[]>;
+  evictAll(): Promise<string[]>;
+  refresh(key: string): Promise<IEntry>;
+  startDaemon(): Promise<IStatus>;
+}
+
+/** How the entry list is ordered. */
+export type SortKey = 'last_used' | 'bytes' | 'name' | 'hits' | 'speedup';
