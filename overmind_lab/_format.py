@@ -15,13 +15,16 @@ from typing import Any
 from ._paths import format_size
 
 __all__ = [
+    "StatusReport",
+    "describe_load",
+    "entry_row",
+    "format_ago",
     "format_bytes",
     "format_seconds",
     "format_speedup",
-    "format_ago",
-    "describe_load",
-    "text_table",
     "html_table",
+    "status_line",
+    "text_table",
 ]
 
 
@@ -42,7 +45,7 @@ def format_seconds(seconds: float | None) -> str:
         return f"{seconds * 1000:.2g} ms"
     if seconds < 60:
         return f"{seconds:.3g} s" if seconds >= 10 else f"{seconds:.2f} s"
-    minutes, rest = divmod(int(round(seconds)), 60)
+    minutes, rest = divmod(round(seconds), 60)
     if minutes < 60:
         return f"{minutes} min {rest:02d} s"
     hours, minutes = divmod(minutes, 60)
@@ -150,3 +153,76 @@ def html_table(
             tds.append(f"<td{attr}{style if i in right else ''}>{html.escape(cell)}</td>")
         trs.append("<tr>" + "".join(tds) + "</tr>")
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(trs)}</tbody></table>"
+
+
+_ENTRY_HEADERS = ("name", "size", "shared", "hits", "cold", "warm", "speedup", "holders",
+                  "last used")
+
+
+def entry_row(entry: dict[str, Any], now: float | None = None) -> list[str]:
+    """The cells of one entry (daemon ``list`` JSON) in :data:`_ENTRY_HEADERS` order."""
+    warm = entry.get("warm_seconds") or []
+    last_warm = warm[-1] if warm else None
+    holders = entry.get("holders") or []
+    return [
+        str(entry.get("name", entry.get("key", "?"))),
+        format_bytes(entry.get("bytes")),
+        format_bytes(entry.get("shared_bytes")) if entry.get("shared_bytes") else "-",
+        str(entry.get("hits", 0)),
+        format_seconds(entry.get("cold_seconds")),
+        format_seconds(last_warm),
+        format_speedup(entry.get("cold_seconds"), last_warm) or "-",
+        ", ".join(str(p) for p in holders) if holders else "-",
+        format_ago(entry.get("last_used"), now),
+    ]
+
+
+def status_line(status: dict[str, Any]) -> str:
+    """``daemon pid 8824 on /run/...sock: 5 entries, 27.5 MiB of 11.8 GiB ...``."""
+    if not status.get("running"):
+        error = status.get("error")
+        return (
+            f"no daemon is running on {status.get('socket')}: the first cached load starts "
+            "one" + (f" ({error})" if error else "")
+        )
+    return (
+        f"daemon pid {status.get('pid')} on {status.get('socket')}: "
+        f"{status.get('entries', 0)} entries, {format_bytes(status.get('cached_bytes'))} "
+        f"cached of {format_bytes(status.get('budget_bytes'))} budget, "
+        f"{format_bytes(status.get('memory_available_bytes'))} of "
+        f"{format_bytes(status.get('memory_total_bytes'))} system memory available"
+    )
+
+
+class StatusReport:
+    """The daemon status and its entries, shown as HTML (Lab) or aligned text (terminal).
+
+    ``%overmind_status`` returns one; ``.status`` and ``.entries`` are the daemon's JSON.
+    """
+
+    def __init__(self, status: dict[str, Any], entries: list[dict[str, Any]]) -> None:
+        self.status = status
+        self.entries = entries
+
+    def rows(self) -> list[list[str]]:
+        now = time.time()
+        return [entry_row(e, now) for e in self.entries]
+
+    def __repr__(self) -> str:
+        lines = [status_line(self.status)]
+        if self.entries:
+            lines += ["", text_table(_ENTRY_HEADERS, self.rows(), right=(1, 2, 3, 4, 5, 6))]
+        elif self.status.get("running"):
+            lines.append("the cache is empty")
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        parts = [f"<p>{html.escape(status_line(self.status))}</p>"]
+        if self.entries:
+            titles = [str(e.get("key", "")) for e in self.entries]
+            parts.append(
+                html_table(_ENTRY_HEADERS, self.rows(), right=(1, 2, 3, 4, 5, 6), titles=titles)
+            )
+        elif self.status.get("running"):
+            parts.append("<p>the cache is empty</p>")
+        return "<div class=\"overmind-status\">" + "".join(parts) + "</div>"
