@@ -50,20 +50,17 @@ harmless, and :func:`get_original` gives the saved original back.
 diffusers dynamic modules
 -------------------------
 
-Custom pipelines and ``trust_remote_code`` models live in modules named
-``diffusers_modules.*`` / ``transformers_modules.*`` under the Hugging Face modules cache
-(``$HF_MODULES_CACHE``, ``~/.cache/huggingface/modules``), which the libraries put on
-``sys.path`` only when they import such code. A warm load in a fresh process unpickles
-instances of those classes before the library had a reason to do so;
-:func:`ensure_dynamic_modules_importable` puts the directory on ``sys.path`` first (the
-patched methods call it before every load).
+Custom pipelines and ``trust_remote_code`` models are instances of classes in
+``diffusers_modules.*`` / ``transformers_modules.*``, packages under the Hugging Face
+modules cache that the libraries put on ``sys.path`` only when they import such code. A
+warm load in a fresh process needs nothing from here: the cache's unpickler puts that
+directory on ``sys.path`` before it imports them (Note [Dynamic modules] in
+``_pickling.py``).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
-import os
 import sys
 import threading
 import types
@@ -75,12 +72,11 @@ from typing import Any
 from ._errors import OvermindWarning
 
 __all__ = [
-    "patch_all",
-    "unpatch_all",
-    "is_patched",
     "get_original",
+    "is_patched",
+    "patch_all",
     "patched_names",
-    "ensure_dynamic_modules_importable",
+    "unpatch_all",
 ]
 
 _LIBRARIES = ("diffusers", "transformers")
@@ -210,36 +206,7 @@ def patched_names() -> list[str]:
         return sorted(f"{c.__module__}.{c.__qualname__}.{n}" for c, n in _saved)
 
 
-def ensure_dynamic_modules_importable(module_name: str | None = None) -> bool:
-    """Put the Hugging Face modules cache on ``sys.path`` so that ``diffusers_modules.*``
-    and ``transformers_modules.*`` (custom pipelines, remote code) import in this process.
-
-    With ``module_name``, acts only when it is one of those packages (an unpickler can call
-    this after a ``ModuleNotFoundError`` and retry). Returns True when ``sys.path`` changed.
-    """
-    if module_name is not None and module_name.partition(".")[0] not in (
-        "diffusers_modules", "transformers_modules",
-    ):
-        return False
-    path = _modules_cache()
-    if path in sys.path:
-        return False
-    sys.path.append(path)
-    importlib.invalidate_caches()
-    return True
-
-
 # --------------------------------------------------------------------------- internals
-
-
-def _modules_cache() -> str:
-    env = os.environ.get("HF_MODULES_CACHE")
-    if env:
-        return env
-    home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"
-    )
-    return os.path.join(home, "modules")
 
 
 def _make_wrapper(original: classmethod) -> classmethod:  # type: ignore[type-arg]
@@ -249,7 +216,6 @@ def _make_wrapper(original: classmethod) -> classmethod:  # type: ignore[type-ar
     def cached(cls: type, *args: Any, **kwargs: Any) -> Any:
         import overmind_lab
 
-        ensure_dynamic_modules_importable()
         # Bound to cls, the class really called: the key names it, not the definer.
         return overmind_lab.load(original.__get__(None, cls), *args, **kwargs)
 
@@ -402,7 +368,7 @@ class _PatchingLoader:
         self.loader.exec_module(module)
         try:
             _patch_module(module)
-        except Exception as exc:  # the user's import must never fail because of us
+        except Exception as exc:  # noqa: BLE001 - the user's import must never fail because of us
             if module.__name__ not in _failed:
                 _failed.add(module.__name__)
                 warnings.warn(
