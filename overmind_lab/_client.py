@@ -205,6 +205,11 @@ def call(chan: Channel, msg: dict[str, Any],
     try:
         chan.send(msg, fds or [])
     except OSError as exc:
+        try:  # the daemon may have said why it hung up (e.g. another uid)
+            _recv(chan)
+        except (DaemonUnavailable, ProtocolError) as said:
+            if "lost the connection" not in str(said):
+                raise said from exc
         raise DaemonUnavailable(f"lost the connection to the daemon: {exc}") from exc
     return _recv(chan)
 

@@ -1,0 +1,76 @@
+"""Shared fixtures: a real daemon on a temporary socket, real separate Python processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from overmind_lab import Client
+
+
+@pytest.fixture
+def sock_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A private socket path (short: Unix sockets allow 108 bytes), set for children too.
+
+    Any daemon started on it is stopped at teardown.
+    """
+    with tempfile.TemporaryDirectory(prefix="olt-", dir="/tmp") as d:
+        path = Path(d) / "d.sock"
+        monkeypatch.setenv("OVERMIND_LAB_SOCKET", str(path))
+        yield path
+        Client(path).stop()
+
+
+@pytest.fixture
+def daemon(sock_path: Path) -> Iterator[Client]:
+    """A running daemon on ``sock_path``."""
+    client = Client(sock_path)
+    client.start()
+    yield client
+
+
+def run_py(code: str, *, env: dict[str, str] | None = None, timeout: float = 180,
+           check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter (warnings are errors unless the code says)."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env,
+                          capture_output=True, text=True, timeout=timeout, cwd="/")
+    if check and proc.returncode != 0:
+        raise AssertionError(f"child failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def last_json(proc: subprocess.CompletedProcess[str]) -> Any:
+    """The last stdout line of a child, parsed as JSON."""
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def tiny_unet_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real diffusers UNet2DConditionModel (tiny config, random weights) on disk."""
+    return save_tiny_unet(tmp_path_factory.mktemp("unet"))
+
+
+def save_tiny_unet(path: Path, seed: int = 0) -> Path:
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(seed)
+    model = UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
+        block_out_channels=(32, 64), cross_attention_dim=32, attention_head_dim=4,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), norm_num_groups=8,
+    )
+    model.save_pretrained(path)
+    return path

@@ -1,0 +1,30 @@
+"""Module-level loaders for tests (child processes import them by name)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def counted_load(delay: float, counter: str) -> dict[str, Any]:
+    """Append one mark to ``counter`` per real call, wait ``delay`` seconds, return data.
+
+    ``delay`` comes first: the first positional argument of a loader is its source, and
+    the counter file (which changes on every call) must not be one.
+    """
+    with open(counter, "a") as f:
+        f.write("x")
+    time.sleep(delay)
+    return {"w": torch.ones(3, 4096)}
+
+
+def sized_load(nbytes: int, tag: str) -> torch.Tensor:
+    """A tensor of ``nbytes`` bytes (``tag`` only makes distinct keys)."""
+    return torch.full((nbytes // 4,), float(len(tag)), dtype=torch.float32)
+
+
+def read_size(path: str) -> int:
+    return Path(path).stat().st_size

@@ -1,0 +1,260 @@
+"""overmind_lab.load across real processes, against a real daemon."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import overmind_lab
+from overmind_lab import Client, OvermindWarning
+from tests.conftest import last_json, run_py, save_tiny_unet
+
+# A child that loads the tiny UNet through the cache and describes what it got.
+LOAD_UNET = """
+import json, sys, os, hashlib, torch, overmind_lab
+from diffusers import UNet2DConditionModel
+from overmind_lab._segments import find_mapping
+with overmind_lab.record_loads() as events:
+    unet = overmind_lab.load(UNet2DConditionModel.from_pretrained, {path!r})
+sd = unet.state_dict()
+digest = hashlib.sha256()
+for name, t in sd.items():
+    digest.update(name.encode()); digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+mapped = [find_mapping(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) is not None
+          for t in sd.values()]
+print(json.dumps({{"outcome": events[-1].outcome, "digest": digest.hexdigest(),
+                  "all_mapped": all(mapped), "pid": os.getpid(),
+                  "type": type(unet).__name__, "training": unet.training}}))
+"""
+
+
+def plain_digest(path: Path) -> str:
+    proc = run_py(f"""
+        import json, hashlib, torch
+        from diffusers import UNet2DConditionModel
+        sd = UNet2DConditionModel.from_pretrained({str(path)!r}).state_dict()
+        digest = hashlib.sha256()
+        for name, t in sd.items():
+            digest.update(name.encode()); digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+        print(json.dumps(digest.hexdigest()))
+    """)
+    return str(last_json(proc))
+
+
+def test_stored_by_one_process_loaded_bit_equal_by_another_without_copy(
+        daemon: Client, tiny_unet_dir: Path) -> None:
+    first = last_json(run_py(LOAD_UNET.format(path=str(tiny_unet_dir))))
+    second = last_json(run_py(LOAD_UNET.format(path=str(tiny_unet_dir))))
+    assert first["outcome"] == "cold"
+    assert second["outcome"] == "warm"
+    assert first["digest"] == second["digest"] == plain_digest(tiny_unet_dir)
+    assert second["all_mapped"] and first["all_mapped"]
+    assert second["type"] == "UNet2DConditionModel" and second["training"] is False
+    [entry] = daemon.entries()
+    assert entry["hits"] == 1 and entry["tensors"] > 10
+    assert entry["name"] == f"UNet2DConditionModel.from_pretrained({str(tiny_unet_dir)!r})"
+
+
+def test_in_place_write_is_invisible_to_other_processes(daemon: Client,
+                                                        tiny_unet_dir: Path) -> None:
+    writer = run_py(f"""
+        import json, torch, overmind_lab
+        from diffusers import UNet2DConditionModel
+        unet = overmind_lab.load(UNet2DConditionModel.from_pretrained, {str(tiny_unet_dir)!r})
+        with torch.no_grad():
+            for p in unet.parameters():
+                p.mul_(0).add_(7)
+        again = overmind_lab.load(UNet2DConditionModel.from_pretrained, {str(tiny_unet_dir)!r})
+        print(json.dumps([float(next(unet.parameters()).flatten()[0]),
+                          float(next(again.parameters()).flatten()[0])]))
+    """)
+    mine, again_in_same_process = last_json(writer)
+    assert mine == 7.0
+    assert again_in_same_process != 7.0
+    other = last_json(run_py(LOAD_UNET.format(path=str(tiny_unet_dir))))
+    assert other["outcome"] == "warm"
+    assert other["digest"] == plain_digest(tiny_unet_dir)
+
+
+def test_exception_of_the_original_reaches_the_caller_and_nothing_is_cached(
+        daemon: Client) -> None:
+    class Boom(Exception):
+        pass
+
+    def loader() -> None:
+        raise Boom("no such model")
+
+    with pytest.raises(Boom, match="no such model"):
+        overmind_lab.load(loader)
+    assert daemon.entries() == []
+    with pytest.raises(Boom):  # the lease was released: the next caller loads again
+        overmind_lab.load(loader)
+
+
+def make_generator_holder() -> object:
+    return {"weights": torch.ones(3), "stream": (i for i in range(3))}
+
+
+def test_unpicklable_result_is_returned_uncached_with_a_warning(daemon: Client) -> None:
+    with pytest.warns(OvermindWarning, match="not cached.*cannot pickle 'generator'"):
+        result = overmind_lab.load(make_generator_holder)
+    assert torch.equal(result["weights"], torch.ones(3))  # type: ignore[index]
+    assert daemon.entries() == []
+
+
+def make_with_lambda() -> object:
+    return {"f": lambda x: x + 1, "t": torch.arange(4)}
+
+
+def test_lambdas_go_through_dill(daemon: Client) -> None:
+    overmind_lab.load(make_with_lambda)
+    with overmind_lab.record_loads() as events:
+        again = overmind_lab.load(make_with_lambda)
+    assert events[-1].outcome == "warm"
+    assert again["f"](1) == 2 and torch.equal(again["t"], torch.arange(4))  # type: ignore[index]
+
+
+def test_resaved_model_directory_is_loaded_fresh(daemon: Client, tmp_path: Path) -> None:
+    path = save_tiny_unet(tmp_path / "unet", seed=1)
+    first = last_json(run_py(LOAD_UNET.format(path=str(path))))
+    time.sleep(0.01)
+    save_tiny_unet(path, seed=2)  # same names and sizes, new weights and mtimes
+    second = last_json(run_py(LOAD_UNET.format(path=str(path))))
+    assert second["outcome"] == "cold"
+    assert second["digest"] != first["digest"]
+    assert second["digest"] == plain_digest(path)
+    assert len(daemon.entries()) == 2
+
+
+COUNTED_LOADER = """
+import json, os, sys, time, torch, overmind_lab
+sys.path.insert(0, {here!r})
+from tests.loaders import counted_load
+with overmind_lab.record_loads() as events:
+    value = overmind_lab.load(counted_load, {delay!r}, {counter!r})
+print(json.dumps({{"outcome": events[-1].outcome, "sum": float(value["w"].sum())}}))
+"""
+
+
+def test_four_processes_asking_at_once_call_the_original_once(daemon: Client,
+                                                              tmp_path: Path) -> None:
+    counter = tmp_path / "calls"
+    here = str(Path(__file__).resolve().parent.parent)
+    code = textwrap.dedent(COUNTED_LOADER.format(here=here, counter=str(counter), delay=2.0))
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd="/") for _ in range(4)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    outcomes = sorted(last_json(subprocess.CompletedProcess([], 0, o, e))["outcome"]
+                      for o, e in outs)
+    assert outcomes == ["cold", "warm", "warm", "warm"], outs
+    assert counter.read_text() == "x"
+
+
+def test_waiter_takes_over_when_the_loader_is_killed(daemon: Client, tmp_path: Path) -> None:
+    counter = tmp_path / "calls"
+    here = str(Path(__file__).resolve().parent.parent)
+    slow = textwrap.dedent(COUNTED_LOADER.format(here=here, counter=str(counter), delay=60.0))
+    loader = subprocess.Popen([sys.executable, "-c", slow], cwd="/")
+    deadline = time.monotonic() + 60
+    while not counter.exists():  # the loader is inside the original function
+        assert time.monotonic() < deadline and loader.poll() is None
+        time.sleep(0.05)
+    fast = textwrap.dedent(COUNTED_LOADER.format(here=here, counter=str(counter), delay=0.0))
+    waiter = subprocess.Popen([sys.executable, "-c", fast], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd="/")
+    time.sleep(1.0)
+    assert waiter.poll() is None  # waiting on the loader's lease
+    loader.send_signal(signal.SIGKILL)
+    loader.wait()
+    out, err = waiter.communicate(timeout=120)
+    assert waiter.returncode == 0, err
+    assert last_json(subprocess.CompletedProcess([], 0, out, err))["outcome"] == "cold"
+    assert counter.read_text() == "xx"
+    assert len(daemon.entries()) == 1
+
+
+HOLDER = """
+import json, sys, time, torch, overmind_lab
+sys.path.insert(0, {here!r})
+from tests.loaders import counted_load
+value = overmind_lab.load(counted_load, 0.0, {counter!r})
+print("loaded", flush=True)
+sys.stdin.readline()          # wait until the test has done its damage
+print(json.dumps(float(value["w"].sum())), flush=True)
+"""
+
+
+def start_holder(here: str, counter: Path) -> subprocess.Popen[str]:
+    code = textwrap.dedent(HOLDER.format(here=here, counter=str(counter)))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, cwd="/")
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "loaded"
+    return proc
+
+
+def finish_holder(proc: subprocess.Popen[str]) -> float:
+    out, _ = proc.communicate("go\n", timeout=60)
+    assert proc.returncode == 0
+    return float(out.strip().splitlines()[-1])
+
+
+def test_evicting_a_held_entry_leaves_the_holder_working(daemon: Client,
+                                                         tmp_path: Path) -> None:
+    here = str(Path(__file__).resolve().parent.parent)
+    holder = start_holder(here, tmp_path / "calls")
+    [entry] = daemon.entries()
+    assert entry["holders"] == [holder.pid]
+    assert daemon.evict(entry["key"][:8]) == [entry["key"]]
+    assert daemon.entries() == []
+    assert daemon.status()["evicted_mapped_bytes"] >= 4096 * 4
+    assert finish_holder(holder) == 4096.0 * 3
+    assert daemon.status()["evicted_mapped_bytes"] == 0
+
+
+def test_killing_the_storer_or_a_holder_loses_nothing(daemon: Client, tmp_path: Path) -> None:
+    here = str(Path(__file__).resolve().parent.parent)
+    counter = tmp_path / "calls"
+    storer = start_holder(here, counter)
+    holder = start_holder(here, counter)
+    storer.kill()
+    storer.wait()
+    assert finish_holder(holder) == 4096.0 * 3
+    code = COUNTED_LOADER.format(here=here, counter=str(counter), delay=0.0)
+    assert last_json(run_py(code))["outcome"] == "warm"
+    assert counter.read_text() == "x"
+
+
+def test_killing_the_daemon_leaves_holders_working_and_loads_fall_back(
+        daemon: Client, tmp_path: Path) -> None:
+    here = str(Path(__file__).resolve().parent.parent)
+    counter = tmp_path / "calls"
+    holder = start_holder(here, counter)
+    os.kill(daemon.status()["pid"], signal.SIGKILL)
+    assert finish_holder(holder) == 4096.0 * 3
+    # The next load restarts a daemon (the dead one left a stale socket) and loads cold.
+    code = COUNTED_LOADER.format(here=here, counter=str(counter), delay=0.0)
+    proc = run_py("import warnings; warnings.simplefilter('error')\n" + code)
+    assert last_json(proc)["outcome"] == "cold"
+    assert daemon.status()["running"]
+
+
+def test_unreachable_daemon_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatch,
+                                                       tmp_path: Path) -> None:
+    # A socket path whose directory cannot be created: no daemon can ever start there.
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("OVERMIND_LAB_SOCKET", str(blocker / "d.sock"))
+    with pytest.warns(OvermindWarning, match="cache is unavailable") as record:
+        first = overmind_lab.load(make_with_lambda)
+        second = overmind_lab.load(make_with_lambda)
+    assert len(record) == 1
+    assert first["f"](1) == 2 and second["f"](2) == 3  # type: ignore[index]
