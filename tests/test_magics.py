@@ -1,0 +1,207 @@
+"""``%overmind_load`` and ``%overmind_status`` in a real IPython InteractiveShell, against a
+real daemon."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+from traitlets.config import Config
+
+import overmind_lab
+from overmind_lab import Client
+from overmind_lab._format import StatusReport
+
+LOAD = "unet = UNet2DConditionModel.from_pretrained(p)"
+WARM = re.compile(
+    r"^warm \S+ m?s \(cold load was \S+ m?s, [\d.]+x\)  "
+    r"UNet2DConditionModel\.from_pretrained\('.+'\)$")
+
+
+@pytest.fixture
+def shell(daemon: Client, tiny_unet_dir: Path) -> Iterator[InteractiveShell]:
+    config = Config()
+    config.HistoryManager.hist_file = ":memory:"
+    sh = InteractiveShell.instance(config=config)
+    sh.run_line_magic("load_ext", "overmind_lab")
+    sh.user_ns["p"] = str(tiny_unet_dir)
+    sh.run_cell("from diffusers import UNet2DConditionModel", store_history=False)
+    yield sh
+    sh.run_line_magic("unload_ext", "overmind_lab")
+    overmind_lab.unpatch_all()
+    for name in ("p", "unet", "a", "b", "s"):
+        sh.user_ns.pop(name, None)
+
+
+def lines(capsys: pytest.CaptureFixture[str]) -> list[str]:
+    return [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+
+
+def state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_help_comes_from_the_docstring_and_magic_arguments(shell: InteractiveShell) -> None:
+    doc = shell.find_line_magic("overmind_load").__doc__
+    assert "%overmind_load [--cold] [--refresh] [-q] [statement ...]" in doc
+    assert "Cache ``from_pretrained`` in this kernel" in doc
+    assert "--cold       run the statement without the cache" in doc
+    assert shell.find_cell_magic("overmind_load") is not None
+    assert "Show the cache" in shell.find_line_magic("overmind_status").__doc__
+
+
+def test_without_a_statement_it_patches_the_kernel_and_prints_the_daemon(
+        shell: InteractiveShell, daemon: Client, capsys: pytest.CaptureFixture[str]) -> None:
+    assert not overmind_lab.is_patched()
+    shell.run_line_magic("overmind_load", "")
+    out = lines(capsys)
+    assert overmind_lab.is_patched()
+    assert out[0] == ("overmind-lab: from_pretrained of diffusers and transformers is cached "
+                      "in this kernel.")
+    assert out[1].startswith(f"daemon pid {daemon.status()['pid']} on {daemon.path}: 0 entries")
+    shell.run_line_magic("overmind_load", "--quiet")
+    assert lines(capsys) == []
+
+
+def test_a_statement_loads_cold_then_warm_with_one_line_each(
+        shell: InteractiveShell, capsys: pytest.CaptureFixture[str]) -> None:
+    shell.run_line_magic("overmind_load", LOAD)
+    first = state(shell.user_ns["unet"])
+    [cold] = lines(capsys)
+    assert cold.startswith("cold ") and ", now cached  UNet2DConditionModel" in cold
+
+    shell.run_line_magic("overmind_load", LOAD)
+    [warm] = lines(capsys)
+    assert WARM.match(warm), warm
+    again = shell.user_ns["unet"]
+    assert type(again).__name__ == "UNet2DConditionModel"
+    assert all(torch.equal(first[k], v) for k, v in again.state_dict().items())
+
+
+def test_cold_bypasses_and_refresh_replaces_the_entry(
+        shell: InteractiveShell, daemon: Client, capsys: pytest.CaptureFixture[str]) -> None:
+    shell.run_line_magic("overmind_load", LOAD)
+    [entry] = daemon.entries()
+    lines(capsys)
+
+    shell.run_line_magic("overmind_load", "--cold " + LOAD)
+    [line] = lines(capsys)
+    assert line.startswith("cold ") and "(cache bypassed)" in line
+    assert daemon.entries()[0]["hits"] == entry["hits"]
+
+    shell.run_line_magic("overmind_load", "--refresh " + LOAD)
+    [line] = lines(capsys)
+    assert line.startswith("cold ") and "now cached" in line
+    [replaced] = daemon.entries()
+    assert replaced["key"] == entry["key"] and replaced["created"] > entry["created"]
+
+    shell.run_line_magic("overmind_load", "-q " + LOAD)
+    assert lines(capsys) == []
+
+
+def test_the_cell_magic_prints_one_line_per_load(
+        shell: InteractiveShell, capsys: pytest.CaptureFixture[str]) -> None:
+    shell.run_cell_magic("overmind_load", "",
+                         "a = UNet2DConditionModel.from_pretrained(p)\n"
+                         "b = UNet2DConditionModel.from_pretrained(p, low_cpu_mem_usage=False)\n")
+    out = lines(capsys)
+    assert [line.split()[0] for line in out] == ["cold", "cold"]
+    shell.run_cell_magic("overmind_load", "--quiet", "a = UNet2DConditionModel.from_pretrained(p)")
+    assert lines(capsys) == []
+    result = shell.run_cell_magic("overmind_load", "", "x = 1\nUNet2DConditionModel.from_pretrained(p)")
+    assert WARM.match(lines(capsys)[0])
+    assert type(result).__name__ == "UNet2DConditionModel"
+
+
+def test_timeit_compares_cold_and_warm(
+        shell: InteractiveShell, capsys: pytest.CaptureFixture[str]) -> None:
+    shell.run_line_magic("overmind_load", "-q " + LOAD)  # the entry exists
+    cold = shell.run_line_magic("timeit", "-n1 -r3 -o %overmind_load --cold " + LOAD)
+    out = lines(capsys)
+    assert sum("(cache bypassed)" in line for line in out) == 3
+    warm = shell.run_line_magic("timeit", "-n1 -r3 -o %overmind_load " + LOAD)
+    out = lines(capsys)
+    assert sum(bool(WARM.match(line)) for line in out) == 3
+    assert len(cold.all_runs) == len(warm.all_runs) == 3
+    assert "per loop" in out[-1]
+    assert type(shell.user_ns["unet"]).__name__ == "UNet2DConditionModel"
+
+
+def test_the_statement_reaches_python_verbatim(
+        shell: InteractiveShell, capsys: pytest.CaptureFixture[str]) -> None:
+    shell.run_line_magic("overmind_load", 's = "a  --cold  b"  # it\'s kept')
+    assert shell.user_ns["s"] == "a  --cold  b"
+    assert lines(capsys) == [("overmind-lab: no cached load ran in this statement (only "
+                             "from_pretrained / from_single_file and overmind_lab.load() "
+                             "are cached)")]
+    assert shell.run_line_magic("overmind_load", "-q -- 6 * 7") == 42
+
+
+def test_an_error_in_the_statement_reaches_the_user_unchanged(
+        shell: InteractiveShell, tmp_path: Path) -> None:
+    shell.user_ns["missing"] = str(tmp_path / "missing")
+    from diffusers import UNet2DConditionModel
+
+    with pytest.raises(Exception) as plain:
+        UNet2DConditionModel.from_pretrained(tmp_path / "missing")
+    with pytest.raises(type(plain.value)):
+        shell.run_line_magic("overmind_load", "x = UNet2DConditionModel.from_pretrained(missing)")
+
+
+@pytest.mark.parametrize(("line", "cell", "message"), [
+    ("--cold --refresh " + LOAD, None, "--cold and --refresh exclude each other"),
+    ("--cold", None, "--cold needs a statement"),
+    ("--refresh", None, "--refresh needs a statement"),
+    ("--bogus " + LOAD, None, "unrecognized arguments: --bogus"),
+    (LOAD, "a = 1", "%%overmind_load takes only options on its first line"),
+])
+def test_misuse_raises_usage_error(shell: InteractiveShell, line: str, cell: str | None,
+                                   message: str) -> None:
+    with pytest.raises(UsageError, match=re.escape(message)):
+        if cell is None:
+            shell.run_line_magic("overmind_load", line)
+        else:
+            shell.run_cell_magic("overmind_load", line, cell)
+
+
+def test_status_is_html_in_lab_and_text_in_a_terminal(
+        shell: InteractiveShell, daemon: Client, capsys: pytest.CaptureFixture[str]) -> None:
+    shell.run_line_magic("overmind_load", "-q " + LOAD)
+    shell.run_line_magic("overmind_load", "-q " + LOAD)
+    report = shell.run_line_magic("overmind_status", "")
+    assert isinstance(report, StatusReport)
+    [entry] = report.entries
+    formats, _ = shell.display_formatter.format(report)
+    html, text = formats["text/html"], formats["text/plain"]
+    assert "<table>" in html and f'title="{entry["key"]}"' in html
+    assert "UNet2DConditionModel.from_pretrained(" in html
+    text_lines = text.splitlines()
+    assert text_lines[0].startswith(f"daemon pid {daemon.status()['pid']}")
+    assert text_lines[2].split()[:2] == ["name", "size"]
+    assert text_lines[4].startswith("UNet2DConditionModel.from_pretrained(")
+    row = report.rows()[0]
+    assert row[3] == "1"  # hits
+    assert all(cell in text_lines[4] for cell in row[:-1])
+    with pytest.raises(UsageError):
+        shell.run_line_magic("overmind_status", "--nope")
+
+
+def test_status_without_a_daemon_says_so(shell: InteractiveShell, daemon: Client) -> None:
+    daemon.stop()
+    report = shell.run_line_magic("overmind_status", "")
+    assert repr(report).startswith(f"no daemon is running on {daemon.path}")
+    assert report.entries == []
+
+
+def test_unload_ext_undoes_the_patching(shell: InteractiveShell) -> None:
+    shell.run_line_magic("overmind_load", "-q")
+    assert overmind_lab.is_patched()
+    shell.run_line_magic("unload_ext", "overmind_lab")
+    assert not overmind_lab.is_patched()
+    assert shell.find_line_magic("overmind_load") is None
+    shell.run_line_magic("load_ext", "overmind_lab")
