@@ -1,0 +1,256 @@
+"""REST handlers of the overmind-lab Jupyter server extension.
+
+All routes live under ``<base_url>/overmind-lab/api/v1/`` and require Jupyter's
+authentication (``APIHandler`` + ``@tornado.web.authenticated``: no token, no answer but
+403). Answers and errors are JSON; an error is ``{"message": ..., "kind": ...}``.
+
+==========================================  ====================================================
+``GET  status``                             daemon status (``running: false`` when it is down)
+                                            with system memory total and available
+``GET  entries``                            ``{"entries": [...]}``, most recently used first
+``GET  entries/<key>``                      one entry
+``POST entries/<key>/evict``                ``{"evicted": [keys]}``
+``POST entries/<key>/refresh``              ``{"entry": {...}}`` (202: runs in the daemon)
+``POST evict-all``                          ``{"evicted": [keys]}``
+``POST daemon/start``                       status after starting the daemon if needed
+==========================================  ====================================================
+
+``<key>`` is an entry's hex key, or a prefix of it that matches exactly one entry.
+
+The two ``GET`` routes are what the sidebar polls; they do not count as user activity
+(``_track_activity = False``), so an open sidebar does not keep an idle server from being
+culled. Every daemon call is a short blocking socket call: it runs on a small thread pool
+of its own, never on the event loop, and never on the server's default executor.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
+
+from jupyter_server.base.handlers import APIHandler
+from jupyter_server.utils import url_path_join
+from tornado import web
+from tornado.ioloop import IOLoop
+from traitlets import Int, Unicode
+from traitlets.config import Configurable
+
+from overmind_lab._errors import DaemonUnavailable, OvermindError, UnknownEntry
+from overmind_lab._paths import available_memory, total_memory
+
+if TYPE_CHECKING:
+    from overmind_lab._client import Client
+
+__all__ = ["OvermindLab", "setup_handlers", "API_PREFIX"]
+
+#: Path of the REST API below the server's ``base_url``.
+API_PREFIX = "overmind-lab/api/v1"
+
+T = TypeVar("T")
+
+
+class OvermindLab(Configurable):
+    """Settings of the overmind-lab server extension (``c.OvermindLab.<name>``)."""
+
+    socket_path = Unicode(
+        None,
+        allow_none=True,
+        config=True,
+        help="""Daemon socket the sidebar talks to. Default: the client's own choice
+        ($OVERMIND_LAB_SOCKET when set, else the per-user socket), i.e. the same daemon
+        that kernels started by this server use.""",
+    )
+
+    threads = Int(
+        4,
+        config=True,
+        help="""Threads that make the (short, blocking) daemon calls for the REST
+        handlers. They are separate from the server's default executor, so a slow daemon
+        cannot hold up contents or kernel requests.""",
+    )
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.executor = ThreadPoolExecutor(
+            max_workers=max(1, self.threads), thread_name_prefix="overmind-lab"
+        )
+        self.api_root = ""
+
+    def client(self) -> Client:
+        # A client per call: it reads OVERMIND_LAB_SOCKET when built and holds no
+        # connection between calls, and the handlers run in several threads.
+        from overmind_lab._client import Client
+
+        return Client(socket_path=self.socket_path)
+
+    async def call(self, fn: Callable[[Client], T]) -> T:
+        """Run ``fn(client)`` on the extension's thread pool."""
+        return await IOLoop.current().run_in_executor(
+            self.executor, lambda: fn(self.client())
+        )
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False)
+
+
+def _with_memory(status: dict[str, Any]) -> dict[str, Any]:
+    # The daemon reports system memory itself; when it is down we read it here so the
+    # sidebar's memory bar still has something true to show.
+    if status.get("memory_total_bytes") is None:
+        status["memory_total_bytes"] = total_memory()
+    if status.get("memory_available_bytes") is None:
+        status["memory_available_bytes"] = available_memory()
+    return status
+
+
+def _status(client: Client) -> dict[str, Any]:
+    try:
+        status = dict(client.status())
+    except OvermindError as exc:
+        # A daemon that answers garbage is reported, not turned into a 500.
+        status = {"running": False, "socket": str(client.path), "error": str(exc)}
+    return _with_memory(status)
+
+
+class _Handler(APIHandler):
+    """Base: JSON in and out, daemon errors translated to HTTP statuses."""
+
+    @property
+    def overmind(self) -> OvermindLab:
+        return self.settings["overmind_lab"]  # type: ignore[no-any-return]
+
+    def reply(self, data: Any, status: int = 200) -> None:
+        self.set_status(status)
+        self.finish(json.dumps(data))
+
+    def fail(self, status: int, kind: str, message: str) -> None:
+        # Written by hand rather than raised as HTTPError: messages quote keys from
+        # the URL, and HTTPError would %-format them.
+        self.set_status(status)
+        self.finish(json.dumps({"message": message, "kind": kind}))
+
+    async def daemon(self, fn: Callable[[Client], T]) -> tuple[bool, T | None]:
+        """Call the daemon; on a daemon error write the JSON error and return False."""
+        try:
+            return True, await self.overmind.call(fn)
+        except UnknownEntry as exc:
+            self.fail(404, "unknown_entry", str(exc))
+        except DaemonUnavailable as exc:
+            self.fail(
+                503,
+                "daemon_unavailable",
+                f"{exc} (start it from the sidebar, POST daemon/start, or run "
+                "`overmind-lab serve`)",
+            )
+        except OvermindError as exc:
+            self.fail(502, "daemon_error", str(exc))
+        return False, None
+
+
+class StatusHandler(_Handler):
+    _track_activity = False  # polled by the sidebar
+
+    @web.authenticated
+    async def get(self) -> None:
+        ok, status = await self.daemon(_status)
+        if ok:
+            self.reply(status)
+
+
+class EntriesHandler(_Handler):
+    _track_activity = False  # polled by the sidebar
+
+    @web.authenticated
+    async def get(self) -> None:
+        ok, entries = await self.daemon(_entries)
+        if ok:
+            self.reply({"entries": entries})
+
+
+def _entries(client: Client) -> list[dict[str, Any]]:
+    try:
+        return client.entries()
+    except DaemonUnavailable:
+        return []  # no daemon, no entries: a normal state, not an error
+
+
+class EntryHandler(_Handler):
+    _track_activity = False
+
+    @web.authenticated
+    async def get(self, key: str) -> None:
+        ok, entries = await self.daemon(_entries)
+        if not ok:
+            return
+        found = [e for e in entries or [] if str(e.get("key", "")).startswith(key)]
+        if len(found) == 1:
+            self.reply(found[0])
+        elif not found:
+            self.fail(404, "unknown_entry", f"no cache entry matches {key!r}")
+        else:
+            self.fail(
+                404,
+                "unknown_entry",
+                f"{key!r} matches {len(found)} entries; give more of the key",
+            )
+
+
+class EvictHandler(_Handler):
+    @web.authenticated
+    async def post(self, key: str) -> None:
+        ok, evicted = await self.daemon(lambda c: c.evict(key))
+        if ok:
+            self.reply({"evicted": evicted})
+
+
+class RefreshHandler(_Handler):
+    @web.authenticated
+    async def post(self, key: str) -> None:
+        ok, entry = await self.daemon(lambda c: c.refresh(key))
+        if ok:
+            self.reply({"entry": entry}, status=202)
+
+
+class EvictAllHandler(_Handler):
+    @web.authenticated
+    async def post(self) -> None:
+        ok, evicted = await self.daemon(lambda c: c.evict_all())
+        if ok:
+            self.reply({"evicted": evicted})
+
+
+class StartDaemonHandler(_Handler):
+    @web.authenticated
+    async def post(self) -> None:
+        ok, status = await self.daemon(lambda c: _with_memory(dict(c.start())))
+        if ok:
+            self.reply(status)
+
+
+_KEY = r"(?P<key>[^/]+)"
+
+ROUTES: list[tuple[str, type[_Handler]]] = [
+    ("status", StatusHandler),
+    ("entries", EntriesHandler),
+    (f"entries/{_KEY}", EntryHandler),
+    (f"entries/{_KEY}/evict", EvictHandler),
+    (f"entries/{_KEY}/refresh", RefreshHandler),
+    ("evict-all", EvictAllHandler),
+    ("daemon/start", StartDaemonHandler),
+]
+
+
+def setup_handlers(serverapp: Any) -> OvermindLab:
+    """Add the REST routes to ``serverapp.web_app``; return the extension's settings."""
+    web_app = serverapp.web_app
+    overmind = OvermindLab(parent=serverapp)
+    base_url = web_app.settings["base_url"]
+    overmind.api_root = url_path_join(base_url, API_PREFIX)
+    web_app.settings["overmind_lab"] = overmind
+    host_pattern = ".*$"
+    web_app.add_handlers(
+        host_pattern,
+        [(url_path_join(overmind.api_root, path) + "/?", handler) for path, handler in ROUTES],
+    )
+    return overmind
