@@ -144,10 +144,17 @@ export class OvermindModel {
   async refresh(key: string): Promise<void> {
     const entry = this._entries.find(e => e.key === key);
     await this._act(key, 'refresh', async () => {
-      const updated = await this._api.refresh(key);
+      // The daemon may answer with a partial entry (key, name, refresh): merge it.
+      const updated: Partial<IEntry> & Pick<IEntry, 'refresh'> = await this._api.refresh(key);
       const name = updated.name || entry?.name || key;
+      this._entries = this._entries.map(e => (e.key === key ? { ...e, ...updated } : e));
+      if (updated.refresh.state === 'failed') {
+        // e.g. a call that cannot be replayed: the daemon evicted it and says why.
+        const why = updated.refresh.message || 'no reason given';
+        this._notice = { kind: 'error', text: `Refresh of ${name} failed: ${why}` };
+        return;
+      }
       this._watched.set(key, { name, seenRunning: updated.refresh.state === 'running' });
-      this._entries = this._entries.map(e => (e.key === key ? updated : e));
       this._notice = null;
     });
   }

@@ -165,3 +165,28 @@ describe('OvermindModel refresh progress', () => {
     expect(model.hasRunningRefresh).toBe(true);
   });
 });
+
+describe('OvermindModel refresh of a call that cannot be replayed', () => {
+  it('reports the eviction the daemon made instead of a refresh', async () => {
+    const { api, model } = setup();
+    api.entryList = [makeEntry({ key: 'aa', name: 'A()', replayable: false })];
+    await model.update();
+    // The daemon answers with a partial entry and evicts it.
+    api.refresh = async (key: string) => {
+      api.entryList = api.entryList.filter(e => e.key !== key);
+      return {
+        key,
+        name: 'A()',
+        replayable: false,
+        refresh: { state: 'failed', message: 'cannot be replayed; evicted', started: null }
+      } as unknown as ReturnType<MemoryAPI['find']>;
+    };
+    await model.refresh('aa');
+    expect(model.notice).toEqual({
+      kind: 'error',
+      text: 'Refresh of A() failed: cannot be replayed; evicted'
+    });
+    expect(model.entries).toEqual([]);
+    expect(model.hasRunningRefresh).toBe(false);
+  });
+});
