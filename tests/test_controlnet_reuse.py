@@ -1,0 +1,56 @@
+"""``vae=vae`` and ``controlnet=[a, b]``: a StableDiffusionControlNetPipeline assembled from
+locally saved components (``examples/controlnet_vae_reuse.py``), warm in a new process,
+and no tensor stored twice, by the daemon's own byte counts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import overmind_lab
+from overmind_lab import Client
+
+REPO = Path(overmind_lab.__file__).resolve().parents[1]
+SCRIPT = REPO / "examples" / "controlnet_vae_reuse.py"
+
+
+def run_example(models: Path) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-W", "error", str(SCRIPT), "--tiny", "--dtype", "float32",
+         "--json", "--models", str(models)],
+        check=False, env=env, capture_output=True, text=True, timeout=600, cwd="/")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_components_passed_in_are_cached_once_and_load_warm(daemon: Client,
+                                                           tmp_path: Path) -> None:
+    first = run_example(tmp_path / "models")
+    second = run_example(tmp_path / "models")
+
+    assert first["outcomes"] == ["cold"] * 4
+    assert second["outcomes"] == ["warm"] * 4
+    assert second["keys"] == first["keys"]
+
+    vae_key, a_key, b_key, pipe_key = first["keys"]
+    entries = first["entries"]
+    assert entries[pipe_key]["name"].startswith("StableDiffusionControlNetPipeline.")
+    components = [entries[k]["bytes"] for k in (vae_key, a_key, b_key)]
+    # The pipeline's entry references the three components' segments...
+    assert entries[pipe_key]["shared_bytes"] == sum(components)
+    # ...and its own segment holds the UNet and text encoder plus metadata, which is less
+    # than any one component: none of them was copied into it.
+    tensors = first["tensor_bytes"]
+    extra = entries[pipe_key]["bytes"] - tensors["unet"] - tensors["text_encoder"]
+    assert 0 <= extra < min(tensors["vae"], *tensors["controlnets"])
+    for key, model in ((vae_key, "vae"), (a_key, 0), (b_key, 1)):
+        held = tensors["vae"] if model == "vae" else tensors["controlnets"][model]
+        assert held <= entries[key]["bytes"] < held + extra
+    # The daemon holds each entry's own bytes once, and the warm run stored nothing.
+    assert first["cached_bytes"] == sum(e["bytes"] for e in entries.values())
+    assert second["cached_bytes"] == first["cached_bytes"] == daemon.status()["cached_bytes"]
