@@ -18,6 +18,7 @@ copy, a reference is only taken after the bytes compare equal to the sealed segm
 from __future__ import annotations
 
 import bisect
+import contextlib
 import fcntl
 import mmap
 import os
@@ -31,10 +32,15 @@ from typing import Any
 from overmind_lab import _native
 from overmind_lab._holders import MEMFD_PREFIX
 
-__all__ = ["new_segment_id", "write_segment", "map_segment", "Mapping", "find_mapping"]
+__all__ = ["new_segment_id", "write_segment", "map_segment", "Mapping", "find_mapping",
+           "prefault"]
 
 _SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+#: Set to 1 to fault every page of a warm load in before returning. Off by default: a
+#: warm load then costs the same for 1 GB or 10 GB, and pages fault in on first use.
 PREFAULT_ENV = "OVERMIND_LAB_PREFAULT"
+_PREFAULT_MIN = 1 << 20
+_MADV_POPULATE_WRITE = 23
 
 
 def new_segment_id() -> str:
@@ -45,16 +51,42 @@ def write_segment(segment_id: str, size: int, items: Sequence[tuple[int, Any]]) 
     """Create a sealed memfd of ``size`` bytes holding ``items`` (offset, buffer).
 
     Returns the fd (the caller owns it). Nothing is left mapped.
+
+    Note [Filling a segment]: page faults, not bytes, dominate: a lazily loaded model's
+    source pages are not mapped yet and fresh memfd pages are not allocated yet, and a
+    fault per 4 KiB page runs near 0.8 GB/s. So the segment is allocated in the kernel
+    (``posix_fallocate``) while this thread populates the source pages in bulk
+    (``MADV_POPULATE_READ``), the destination mapping is populated in one call, and only
+    then the native copy runs on every core.
     """
     fd = os.memfd_create(f"{MEMFD_PREFIX}{segment_id}",
                          os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         alloc = max(size, 1)
         os.ftruncate(fd, alloc)
-        # Allocating up front is ~3x faster than first-touch faults during the copy.
-        os.posix_fallocate(fd, 0, alloc)
+        failure: list[BaseException] = []
+
+        def allocate() -> None:
+            try:
+                os.posix_fallocate(fd, 0, alloc)
+            except BaseException as exc:  # re-raised below, in the caller's thread
+                failure.append(exc)
+
+        allocator = threading.Thread(target=allocate, name="overmind-lab-fallocate")
+        allocator.start()
+        try:
+            for _, buf in items:
+                if len(buf) >= _PREFAULT_MIN:
+                    _native.prefault(buf, 1)
+        finally:
+            allocator.join()
+        if failure:
+            raise failure[0]
         with mmap.mmap(fd, alloc, flags=mmap.MAP_SHARED,
                        prot=mmap.PROT_READ | mmap.PROT_WRITE) as mm:
+            if size >= _PREFAULT_MIN:
+                with contextlib.suppress(OSError):
+                    mm.madvise(_MADV_POPULATE_WRITE)
             _native.copy_many(mm, items)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
     except BaseException:
@@ -112,8 +144,8 @@ def map_segment(segment_id: str, size: int, fd: int) -> Mapping:
         _starts.insert(i, address)
         _maps.insert(i, mapping)
     weakref.finalize(mm, _forget, address, fd)
-    if os.environ.get(PREFAULT_ENV, "1") != "0" and size >= 1 << 20:
-        _prefault_later(mm)
+    if os.environ.get(PREFAULT_ENV, "0") == "1":
+        prefault(mapping)
     return mapping
 
 
@@ -139,22 +171,10 @@ def find_mapping(address: int, nbytes: int) -> tuple[Mapping, int] | None:
     return mapping, offset
 
 
-def _prefault_later(mm: mmap.mmap) -> None:
-    """Fault the mapping's page tables in on a background thread (GIL released)."""
-    ref = weakref.ref(mm)
-
-    def work() -> None:
-        target = ref()
-        if target is None:
-            return
-        try:
-            view = memoryview(target)
-        except ValueError:  # closed meanwhile
-            return
-        del target
-        try:
-            _native.prefault(view, 1)
-        finally:
-            view.release()
-
-    threading.Thread(target=work, name="overmind-lab-prefault", daemon=True).start()
+def prefault(mapping: Mapping) -> str:
+    """Fault a mapping's pages in now (``MADV_POPULATE_READ`` where the kernel has it)."""
+    view = memoryview(mapping.mm)
+    try:
+        return str(_native.prefault(view))
+    finally:
+        view.release()
