@@ -144,10 +144,15 @@ def load(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         _emit(LoadEvent(None, getattr(fn, "__qualname__", repr(fn)), "uncached",
                         time.perf_counter() - start, reason=str(exc)))
         return result
+    client = Client()
     try:
-        session = Client().session()
+        session = client.session()
     except (OvermindError, OSError) as exc:
         return _fallback(fn, args, kwargs, info, start, exc)
+    if client.replaced_dead_daemon:
+        _warn_once(f"restart:{client.path}:{time.time()}",
+                   f"the cache daemon on {client.path} had died; a new one was started "
+                   "and the cache starts empty")
     with session:
         return _load_with(session, fn, args, kwargs, info, start)
 

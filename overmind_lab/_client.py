@@ -41,6 +41,8 @@ class Client:
                  timeout: float = TIMEOUT) -> None:
         self.path: Path = _resolve(socket_path)
         self.timeout = timeout
+        #: set when this client started a daemon over the stale socket of a dead one
+        self.replaced_dead_daemon = False
 
     def __repr__(self) -> str:
         return f"Client({str(self.path)!r})"
@@ -93,6 +95,7 @@ class Client:
                 return
             except DaemonUnavailable:
                 pass
+            stale = self.path.exists()
             cmd = [sys.executable, "-m", "overmind_lab", "serve", "--detach",
                    "--socket", str(self.path)]
             try:
@@ -106,6 +109,7 @@ class Client:
                 raise DaemonUnavailable(
                     f"could not start the daemon (exit {proc.returncode}): "
                     f"{proc.stderr.decode(errors='replace').strip()}")
+            self.replaced_dead_daemon = stale
         finally:
             os.close(lock_fd)
 

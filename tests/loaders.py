@@ -28,3 +28,16 @@ def sized_load(nbytes: int, tag: str) -> torch.Tensor:
 
 def read_size(path: str) -> int:
     return Path(path).stat().st_size
+
+
+def base_weights() -> torch.nn.Module:
+    """A component (modules can be weakly referenced, so the cache remembers its key)."""
+    layer = torch.nn.Linear(256, 256, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.arange(256 * 256, dtype=torch.float32).view(256, 256))
+    return layer
+
+
+def wrap(component: torch.nn.Module, extra: int) -> dict[str, Any]:
+    """A 'pipeline' that holds a component passed in, plus weights of its own."""
+    return {"component": component, "own": torch.zeros(extra)}

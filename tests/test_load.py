@@ -240,10 +240,13 @@ def test_killing_the_daemon_leaves_holders_working_and_loads_fall_back(
     holder = start_holder(here, counter)
     os.kill(daemon.status()["pid"], signal.SIGKILL)
     assert finish_holder(holder) == 4096.0 * 3
-    # The next load restarts a daemon (the dead one left a stale socket) and loads cold.
+    # The next load restarts a daemon (the dead one left a stale socket), says so once,
+    # and loads cold.
     code = COUNTED_LOADER.format(here=here, counter=str(counter), delay=0.0)
-    proc = run_py("import warnings; warnings.simplefilter('error')\n" + code)
+    proc = run_py("import warnings\nwarnings.simplefilter('always')\n" + code)
     assert last_json(proc)["outcome"] == "cold"
+    assert proc.stderr.count("OvermindWarning") == 1
+    assert "had died; a new one was started" in proc.stderr
     assert daemon.status()["running"]
 
 
@@ -258,3 +261,25 @@ def test_unreachable_daemon_falls_back_with_one_warning(monkeypatch: pytest.Monk
         second = overmind_lab.load(make_with_lambda)
     assert len(record) == 1
     assert first["f"](1) == 2 and second["f"](2) == 3  # type: ignore[index]
+
+
+def test_component_from_the_cache_is_referenced_not_stored_twice(daemon: Client) -> None:
+    from tests.loaders import base_weights, wrap
+
+    base = overmind_lab.load(base_weights)
+    assert overmind_lab.key_of(base) is not None
+    whole = overmind_lab.load(wrap, base, 1024)
+    outer = daemon.entries()[0]  # most recently used first
+    assert outer["callable"] == "tests.loaders.wrap"
+    inner = daemon.entries()[1]
+    assert outer["shared_bytes"] == inner["bytes"] >= 256 * 256 * 4  # the component's segment
+    assert outer["bytes"] < 64 * 1024  # only its own 4 KiB and the stream
+    assert daemon.status()["cached_bytes"] == inner["bytes"] + outer["bytes"]
+    assert torch.equal(whole["component"].weight, base.weight)  # type: ignore[index]
+    # A component changed in place is not the cached one any more: its bytes are stored.
+    with torch.no_grad():
+        base.weight[0, 0] = -1.0
+    changed = overmind_lab.load(wrap, base, 2048)
+    assert float(changed["component"].weight[0, 0]) == -1.0  # type: ignore[index]
+    newest = daemon.entries()[0]
+    assert newest["shared_bytes"] == 0 and newest["bytes"] > 256 * 256 * 4
