@@ -13,14 +13,18 @@ tensors.
 
 import sys
 from collections.abc import Iterable
-from typing import Literal
+from typing import Literal, SupportsIndex
 
 if sys.version_info >= (3, 12):
     from collections.abc import Buffer
 else:
     from typing_extensions import Buffer
 
-def copy_many(dst: Buffer, items: Iterable[tuple[int, Buffer]], threads: int = 0) -> None:
+def copy_many(
+    dst: Buffer,
+    items: Iterable[tuple[SupportsIndex, Buffer]],
+    threads: int = 0,
+) -> None:
     """Copy every ``src`` of ``items`` into ``dst`` at its ``dst_offset``.
 
     ``dst`` must be a writable contiguous buffer; ``items`` an iterable of

@@ -8,10 +8,15 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 import pytest
 
 from overmind_lab import _native
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 MiB = 1 << 20
 PAGE = mmap.PAGESIZE
@@ -29,7 +34,7 @@ def pattern(n: int, seed: int = 0) -> bytes:
 @pytest.mark.parametrize("threads", [0, 1, 2, 3, 8])
 def test_copy_many_several_items(threads: int) -> None:
     dst = bytearray(b"\xee" * 4096)
-    items = [
+    items: list[tuple[int, Buffer]] = [
         (0, b"abc"),
         (10, bytearray(b"0123456789")),
         (100, memoryview(pattern(1000, 1))),
@@ -40,7 +45,7 @@ def test_copy_many_several_items(threads: int) -> None:
     _native.copy_many(dst, items, threads=threads)
     expected = bytearray(b"\xee" * 4096)
     for off, src in items:
-        expected[off : off + len(src)] = bytes(src)
+        expected[off : off + len(memoryview(src))] = bytes(src)
     assert dst == expected
 
 
@@ -55,7 +60,7 @@ def test_copy_many_accepts_iterables_and_index_ints() -> None:
     dst = bytearray(16)
     _native.copy_many(dst, ((Idx(i * 4), bytes([i + 1]) * 4) for i in range(4)))
     assert dst == b"\x01" * 4 + b"\x02" * 4 + b"\x03" * 4 + b"\x04" * 4
-    _native.copy_many(dst, [[0, b"zz"]])  # a list pair is a pair too
+    _native.copy_many(dst, [[0, b"zz"]])  # type: ignore[list-item]  # a list pair is a pair too
     assert dst[:2] == b"zz"
     _native.copy_many(dst, [])
     _native.copy_many(bytearray(), [(0, b"")])
@@ -147,9 +152,13 @@ def test_copy_many_bounds_error_message_and_no_partial_copy() -> None:
     assert str(exc.value) == "item 3 does not fit: offset 100 + 64 bytes > destination 128 bytes"
     assert dst == bytearray(128), "nothing may be copied when an item does not fit"
 
-    with pytest.raises(ValueError, match=r"^item 0 does not fit: offset 129 \+ 0 bytes > destination 128 bytes$"):
+    with pytest.raises(
+        ValueError, match=r"^item 0 does not fit: offset 129 \+ 0 bytes > destination 128 bytes$"
+    ):
         _native.copy_many(dst, [(129, b"")])
-    with pytest.raises(ValueError, match=r"^item 1 does not fit: offset 1 \+ 128 bytes > destination 128 bytes$"):
+    with pytest.raises(
+        ValueError, match=r"^item 1 does not fit: offset 1 \+ 128 bytes > destination 128 bytes$"
+    ):
         _native.copy_many(dst, [(0, b""), (1, bytes(128))])
     with pytest.raises(ValueError, match=r"^item 0 does not fit: offset is too large$"):
         _native.copy_many(dst, [(1 << 70, b"a")])
@@ -163,14 +172,18 @@ def test_copy_many_bounds_error_message_and_no_partial_copy() -> None:
 
 def test_copy_many_rejects_overlaps() -> None:
     dst = bytearray(256)
-    with pytest.raises(ValueError, match=r"^items 0 and 2 overlap in the destination: \[10, 30\) and \[29, 31\)$"):
+    with pytest.raises(
+        ValueError, match=r"^items 0 and 2 overlap in the destination: \[10, 30\) and \[29, 31\)$"
+    ):
         _native.copy_many(dst, [(10, b"a" * 20), (100, b"b"), (29, b"cc")])
     # Touching ranges do not overlap; empty items never do.
     _native.copy_many(dst, [(10, b"a" * 20), (30, b"b" * 5), (15, b"")])
     assert dst[10:35] == b"a" * 20 + b"b" * 5
     # A source that lies in a written destination range races with the copy: refused.
     view = memoryview(dst)
-    with pytest.raises(ValueError, match=r"^item 1: src overlaps bytes of the destination that item 0 writes$"):
+    with pytest.raises(
+        ValueError, match=r"^item 1: src overlaps bytes of the destination that item 0 writes$"
+    ):
         _native.copy_many(dst, [(0, b"q" * 16), (200, view[8:24])])
     # A source elsewhere in the destination buffer is fine.
     _native.copy_many(dst, [(0, b"q" * 8), (200, view[10:20])])
@@ -266,7 +279,7 @@ def _populate_supported() -> bool:
 
 @pytest.mark.parametrize("method", ["auto", "touch"])
 @pytest.mark.parametrize("threads", [0, 1, 4])
-def test_prefault_anonymous(method: str, threads: int) -> None:
+def test_prefault_anonymous(method: Literal["auto", "touch"], threads: int) -> None:
     size = 16 * MiB + 3 * PAGE
     with mmap.mmap(-1, size) as m:
         data = pattern(5 * MiB, 11)
@@ -289,7 +302,7 @@ def test_prefault_anonymous(method: str, threads: int) -> None:
 @pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs memfd_create")
 @pytest.mark.parametrize("method", ["auto", "touch"])
 @pytest.mark.parametrize("threads", [0, 1, 4])
-def test_prefault_memfd_private_mapping(method: str, threads: int) -> None:
+def test_prefault_memfd_private_mapping(method: Literal["auto", "touch"], threads: int) -> None:
     size = 24 * MiB
     data = pattern(size, 12)
     fd = os.memfd_create("overmind-test", os.MFD_CLOEXEC)
@@ -331,7 +344,7 @@ def test_prefault_populate_and_small_buffers() -> None:
 
 
 @pytest.mark.skipif(not _populate_supported(), reason="kernel without MADV_POPULATE_READ")
-def test_prefault_past_end_of_file_raises_instead_of_crashing(tmp_path) -> None:
+def test_prefault_past_end_of_file_raises_instead_of_crashing(tmp_path: Path) -> None:
     path = tmp_path / "shrunk"
     path.write_bytes(b"\1" * (4 * PAGE))
     with open(path, "r+b") as f:
