@@ -18,12 +18,16 @@ architecture) that the script builds once under ``--models``::
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+
+if importlib.util.find_spec("overmind_lab") is None:  # a checkout, not installed: use it
+    sys.path.insert(0, str(HERE.parent))
 
 
 def build(models: Path, *, tiny: bool, dtype: str) -> dict[str, Path]:
