@@ -87,7 +87,7 @@ def test_the_demo_prints_cold_then_warm(example_env: Path, daemon: Client) -> No
     out = proc.stdout.splitlines()
     header = next(i for i, line in enumerate(out) if line.startswith("process "))
     assert out[header].split() == ["process", "load", "imports", "from_pretrained", "vs",
-                                   "cold", "process", "RSS", "daemon", "holds"]
+                                   "plain", "load", "process", "RSS", "daemon", "holds"]
     first, second = out[header + 2].split(), out[header + 3].split()
     assert first[:3] == ["first", "kernel", "cold"]
     assert second[:4] == ["after", "a", "restart", "warm"]
