@@ -256,7 +256,7 @@ def _rebuild(entry: dict[str, Any], fds: list[int]) -> Any:
             os.close(fd)
         raise OvermindError(f"{len(segments)} segments but {len(fds)} descriptors")
     mappings = []
-    for i, (spec, fd) in enumerate(zip(segments, fds)):
+    for i, (spec, fd) in enumerate(zip(segments, fds, strict=True)):
         try:
             mappings.append(map_segment(spec["id"], int(spec["size"]), fd))
         except BaseException:

@@ -221,7 +221,7 @@ def call(chan: Channel, msg: dict[str, Any],
 def _recv(chan: Channel) -> tuple[dict[str, Any], list[int]]:
     try:
         reply, fds = chan.recv()
-    except socket.timeout as exc:
+    except TimeoutError as exc:
         raise DaemonUnavailable("the daemon did not answer in time") from exc
     except OSError as exc:
         raise DaemonUnavailable(f"lost the connection to the daemon: {exc}") from exc

@@ -145,7 +145,7 @@ class Daemon:
             op = msg.get("op")
             try:
                 if op == "store":
-                    reply, out_fds = self._store(msg, fds, held), []
+                    reply, out_fds = self._store(msg, fds, held), list[int]()
                 else:
                     for fd in fds:
                         os.close(fd)
@@ -273,7 +273,7 @@ class Daemon:
             if len(specs) != len(fds):
                 raise _RequestError("bad_request",
                                     f"{len(specs)} segments announced, {len(fds)} fds sent")
-            new = [self._check_segment(spec, fd) for spec, fd in zip(specs, fds)]
+            new = [self._check_segment(spec, fd) for spec, fd in zip(specs, fds, strict=True)]
         except BaseException:
             for fd in fds:
                 os.close(fd)

@@ -25,9 +25,10 @@ import json
 import os
 import sys
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from overmind_lab._errors import NotCacheable
 
@@ -55,11 +56,16 @@ _keys_by_id: dict[int, tuple[weakref.ref[Any], str]] = {}
 
 def remember(obj: Any, key: str) -> None:
     """Record that ``obj`` was rebuilt from the cache entry ``key``."""
+    ident = id(obj)
+
+    def forget(_ref: weakref.ref[Any]) -> None:
+        _keys_by_id.pop(ident, None)
+
     try:
-        ref = weakref.ref(obj, lambda _r, i=id(obj): _keys_by_id.pop(i, None))
-    except TypeError:
+        ref = weakref.ref(obj, forget)
+    except TypeError:  # dicts, lists: not weakly referenceable, not remembered
         return
-    _keys_by_id[id(obj)] = (ref, key)
+    _keys_by_id[ident] = (ref, key)
 
 
 def key_of(obj: Any) -> str | None:

@@ -136,7 +136,7 @@ def rebuild_tensor(storage: Any, offset: int, size: tuple[int, ...], stride: tup
 def _make_pickler(base: type, file: io.BytesIO, plan: WritePlan) -> Any:
     import torch
 
-    class StoragePickler(base):  # type: ignore[misc, valid-type]
+    class StoragePickler(base):  # type: ignore[misc]
         def reducer_override(self, obj: Any) -> Any:
             cls = type(obj)
             if cls is torch.Tensor or cls is torch.nn.Parameter:
@@ -193,14 +193,15 @@ def rebuild_storage(mappings: list[Mapping], pid: tuple[Any, ...],
             view = mappings[seg].view(offset, nbytes)
             untyped = torch.frombuffer(view, dtype=torch.uint8).untyped_storage()
         else:
-            untyped = torch.UntypedStorage(0)
+            untyped = torch.UntypedStorage(0)  # type: ignore[no-untyped-call]
         if device != "cpu":
             untyped = _to_device(untyped, torch.device(device))
         memo[key] = untyped
     if not typed:
         return untyped
     dtype = getattr(torch, dtype_name)
-    return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+    return torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
+        wrap_storage=untyped, dtype=dtype, _internal=True)
 
 
 def _to_device(untyped: Any, device: Any) -> Any:
@@ -214,7 +215,7 @@ def _make_unpickler(base: type, file: io.BytesIO, mappings: list[Mapping],
                     buffers: list[memoryview]) -> Any:
     memo: dict[tuple[int, int, int], Any] = {}
 
-    class StorageUnpickler(base):  # type: ignore[misc, valid-type]
+    class StorageUnpickler(base):  # type: ignore[misc]
         def persistent_load(self, pid: Any) -> Any:
             if isinstance(pid, tuple) and pid and pid[0] == "s":
                 return rebuild_storage(mappings, pid, memo)

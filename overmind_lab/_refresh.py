@@ -47,8 +47,14 @@ class Refresher:
                              "started": time.time()}
             task = asyncio.ensure_future(self._run(entry))
             self.tasks[entry.key] = task
-            task.add_done_callback(lambda _t, k=entry.key: self.tasks.pop(k, None))
+            task.add_done_callback(self._done(entry.key))
         return self._find(entry.key) or self._view(entry, **_state(entry))
+
+    def _done(self, key: str) -> Any:
+        def forget(_task: asyncio.Task[None]) -> None:
+            self.tasks.pop(key, None)
+
+        return forget
 
     def _view(self, entry: Any, state: str, message: str) -> dict[str, Any]:
         entry.refresh = {"state": state, "message": message,

@@ -43,8 +43,8 @@ def _print_json(data: Any) -> None:
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
-    lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in rows]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
     return "\n".join(line.rstrip() for line in lines)
 
 
@@ -166,12 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     refresh = add("refresh", cmd_refresh, "reload an entry from its source")
     refresh.add_argument("key", help="entry key or unique key prefix")
     add("stop", cmd_stop, "stop the daemon", json_flag=False)
-    try:
-        from overmind_lab import bench
-    except ImportError:
-        bench = None
-    if bench is not None and hasattr(bench, "add_parser"):
-        bench.add_parser(sub)
+    from overmind_lab import bench
+
+    bench.add_parser(sub)
     return parser
 
 
