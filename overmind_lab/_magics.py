@@ -19,6 +19,8 @@
 To load it at every start: ``c.InteractiveShellApp.extensions = ["overmind_lab"]``.
 """
 
+# IPython's magic_arguments and shell methods carry no annotations.
+# mypy: disable-error-code="no-untyped-call,untyped-decorator"
 from __future__ import annotations
 
 import ast
@@ -176,7 +178,8 @@ class OvermindMagics(Magics):
         namespace = shell.user_ns
         exec(shell.compile(tree, "<overmind_load>", "exec"), namespace)  # noqa: S102 - the user's own statement
         if last is not None:
-            return eval(shell.compile(last, "<overmind_load>", "eval"), namespace)
+            code = shell.compile(last, "<overmind_load>", "eval")  # type: ignore[arg-type]
+            return eval(code, namespace)
         return None
 
 
