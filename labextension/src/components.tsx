@@ -3,13 +3,7 @@
  * draw it and forward clicks.
  */
 
-import {
-  closeIcon,
-  deleteIcon,
-  LabIcon,
-  refreshIcon,
-  runIcon
-} from '@jupyterlab/ui-components';
+import { closeIcon, deleteIcon, LabIcon, refreshIcon } from '@jupyterlab/ui-components';
 import * as React from 'react';
 
 import {
@@ -24,6 +18,7 @@ import {
   sourceLabel,
   timingBar
 } from './format';
+import { overmindIcon } from './icons';
 import { OvermindModel } from './model';
 import { IEntry, IStatus, SortKey } from './types';
 
@@ -179,11 +174,14 @@ function MemoryBar({ status }: { status: IStatus }): JSX.Element {
   const pct = (x: number): string => `${(x * 100).toFixed(2)}%`;
   const cached = status.running ? status.cached_bytes ?? 0 : 0;
   const evicted = status.evicted_mapped_bytes ?? 0;
+  const total = status.memory_total_bytes;
+  const otherBytes = total !== null ? bar.other * total : null;
   const summary =
     `Cache ${formatBytes(cached)}` +
     (status.budget_bytes !== undefined ? ` of ${formatBytes(status.budget_bytes)} budget` : '') +
     `; system ${formatBytes(status.memory_available_bytes)} available of ` +
-    formatBytes(status.memory_total_bytes);
+    formatBytes(status.memory_total_bytes) +
+    (bar.budget !== null ? '; the mark is where the budget ends' : '');
   return (
     <div className="jp-OvermindLab-memory">
       <div
@@ -207,6 +205,12 @@ function MemoryBar({ status }: { status: IStatus }): JSX.Element {
           cache <strong>{formatBytes(cached)}</strong>
           {status.budget_bytes !== undefined && <> / {formatBytes(status.budget_bytes)} budget</>}
         </span>
+        {otherBytes !== null && (
+          <span>
+            <span className="jp-OvermindLab-swatch jp-OvermindLab-swatch-other" />
+            {formatBytes(otherBytes)} other
+          </span>
+        )}
         <span>
           <span className="jp-OvermindLab-swatch jp-OvermindLab-swatch-free" />
           {formatBytes(status.memory_available_bytes)} free of{' '}
@@ -235,9 +239,12 @@ function EntryRow({ entry, model }: { entry: IEntry; model: OvermindModel }): JS
       data-key={entry.key}
       aria-label={`${name}${source ? ` ${source}` : ''}, ${formatBytes(size)}`}
     >
-      <div className="jp-OvermindLab-entryHead">
-        <span className="jp-OvermindLab-entryName" title={entry.name}>
-          {name}
+      <div className="jp-OvermindLab-entryName" title={entry.name}>
+        <BreakAtDots text={name} />
+      </div>
+      <div className="jp-OvermindLab-entrySub">
+        <span className="jp-OvermindLab-entrySource" title={entry.source ?? ''}>
+          {source}
         </span>
         <span
           className="jp-OvermindLab-entrySize"
@@ -250,11 +257,6 @@ function EntryRow({ entry, model }: { entry: IEntry; model: OvermindModel }): JS
           {formatBytes(size)}
         </span>
       </div>
-      {source && (
-        <div className="jp-OvermindLab-entrySource" title={entry.source ?? ''}>
-          {source}
-        </div>
-      )}
       <div className="jp-OvermindLab-entryStats">
         <span title={`${entry.hits} warm loads`}>
           {entry.hits} {entry.hits === 1 ? 'hit' : 'hits'}
@@ -357,7 +359,7 @@ function RefreshProgress({ entry }: { entry: IEntry }): JSX.Element {
 function EmptyState({ running }: { running: boolean }): JSX.Element {
   return (
     <div className="jp-OvermindLab-empty">
-      <runIcon.react tag="span" className="jp-OvermindLab-emptyIcon" />
+      <overmindIcon.react tag="div" className="jp-OvermindLab-emptyIcon" />
       <p>
         {running ? 'Nothing is cached yet.' : 'Nothing is cached.'} Load a model through the
         cache in a notebook:
@@ -370,6 +372,25 @@ function EmptyState({ running }: { running: boolean }): JSX.Element {
         take milliseconds.
       </p>
     </div>
+  );
+}
+
+/** `a.b.c` that wraps after its dots rather than inside a word. */
+function BreakAtDots({ text }: { text: string }): JSX.Element {
+  const parts = text.split('.');
+  return (
+    <>
+      {parts.map((part, i) => (
+        <React.Fragment key={i}>
+          {part}
+          {i < parts.length - 1 && (
+            <>
+              .<wbr />
+            </>
+          )}
+        </React.Fragment>
+      ))}
+    </>
   );
 }
 

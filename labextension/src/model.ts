@@ -201,13 +201,16 @@ export class OvermindModel {
   }
 
   /**
-   * Turn the end of a refresh this sidebar started into a notice. A refresh whose source
-   * changed stores a new entry and drops the old one, so "the entry is gone" also means
-   * "done".
+   * Turn the end of a refresh this sidebar started into a notice. When neither the old
+   * entry nor its replacement is listed, the refresh is over too (e.g. evicted meanwhile).
    */
   private _followRefreshes(): void {
     for (const [key, watch] of [...this._watched]) {
-      const entry = this._entries.find(e => e.key === key);
+      // A refresh whose source changed stores a new entry (its `refresh.previous` names
+      // the old key) and drops the old one.
+      const entry =
+        this._entries.find(e => e.key === key) ??
+        this._entries.find(e => e.refresh.previous === key);
       const state = entry?.refresh.state;
       if (state === 'running') {
         watch.seenRunning = true;
@@ -221,8 +224,8 @@ export class OvermindModel {
         const why = entry?.refresh.message || 'no reason given';
         this._notice = { kind: 'error', text: `Refresh of ${watch.name} failed: ${why}` };
       } else {
-        const detail = entry?.refresh.message ? ` ${entry.refresh.message}` : '';
-        this._notice = { kind: 'info', text: `Refreshed ${watch.name}.${detail}` };
+        const detail = entry?.refresh.message ? `: ${entry.refresh.message}` : '.';
+        this._notice = { kind: 'info', text: `Refreshed ${watch.name}${detail}` };
       }
     }
   }

@@ -11,6 +11,8 @@ export interface IRefresh {
   message: string;
   /** Epoch seconds, or null when no refresh ever ran. */
   started: number | null;
+  /** On the entry a refresh stored: the key of the entry it replaced. */
+  previous?: string;
 }
 
 /** One cached result, as `GET entries` lists it. */

@@ -125,6 +125,23 @@ describe('OvermindModel refresh progress', () => {
     expect(model.notice).toEqual({ kind: 'info', text: 'Refreshed A().' });
   });
 
+  it("reports the daemon's message from the entry that replaced the old one", async () => {
+    const { api, model } = setup();
+    api.entryList = [makeEntry({ key: 'aa', name: 'A()' })];
+    await model.update();
+    await model.refresh('aa');
+    api.entryList = [
+      makeEntry({
+        key: 'dd',
+        name: 'A()',
+        refresh: { state: 'done', message: 'refreshed in 2.0 s', started: 1, previous: 'aa' }
+      })
+    ];
+    await model.update();
+    expect(model.notice).toEqual({ kind: 'info', text: 'Refreshed A(): refreshed in 2.0 s' });
+    expect(model.hasRunningRefresh).toBe(false);
+  });
+
   it('counts a replaced entry (new key) as a finished refresh', async () => {
     const { api, model } = setup();
     api.entryList = [makeEntry({ key: 'aa', name: 'A()' })];
