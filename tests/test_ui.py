@@ -1,0 +1,204 @@
+"""Browser tests of the JupyterLab sidebar: real JupyterLab, kernels, daemon and chromium.
+
+This starts a daemon on a temporary socket and ``jupyter lab`` under the non-root base URL
+``/lab-test/`` with the extension from this tree (``overmind_lab/labextension``, built by
+``jlpm build``), then runs the Playwright suite in ``ui-tests/`` against it. Screenshots
+(light and dark) land in ``ui-tests/artifacts/``.
+
+Needs Debian's chromium (``apt-get install chromium``), the Playwright package
+(``cd ui-tests && PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 jlpm install``) and a built
+labextension. Without them the test is skipped, saying what is missing; with
+``OVERMIND_LAB_REQUIRE_UI=1`` (CI) it fails instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from overmind_lab import Client
+from tests.conftest import save_tiny_unet
+
+REPO = Path(__file__).resolve().parents[1]
+UI_TESTS = REPO / "ui-tests"
+LABEXTENSION = REPO / "overmind_lab" / "labextension"
+CHROMIUM = os.environ.get("OVERMIND_UI_CHROMIUM", "/usr/bin/chromium")
+BASE_URL = "/lab-test/"
+
+LOAD_CELLS = [
+    "%load_ext overmind_lab",
+    "from diffusers import UNet2DConditionModel",
+    '%overmind_load unet = UNet2DConditionModel.from_pretrained("models/unet")',
+    'print("LOADED", type(unet).__name__)',
+]
+CHANGE_CELLS = [
+    "import torch\nfrom diffusers import UNet2DConditionModel",
+    "torch.manual_seed(7)\n"
+    'config = UNet2DConditionModel.load_config("models/unet")\n'
+    'UNet2DConditionModel.from_config(config).save_pretrained("models/unet")\n'
+    'print("CHANGED")',
+]
+
+
+def missing_prerequisites() -> list[str]:
+    missing = []
+    if not os.access(CHROMIUM, os.X_OK):
+        missing.append(f"{CHROMIUM} (apt-get install -y chromium)")
+    if not (UI_TESTS / "node_modules" / "@playwright" / "test").is_dir():
+        missing.append(
+            "ui-tests/node_modules (cd ui-tests && PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 jlpm install)"
+        )
+    if not (LABEXTENSION / "package.json").is_file():
+        missing.append("overmind_lab/labextension (jlpm install && jlpm build)")
+    if shutil.which("node") is None:
+        missing.append("node")
+    return missing
+
+
+def write_notebook(path: Path, cells: list[str]) -> None:
+    notebook = {
+        "cells": [
+            {"cell_type": "code", "execution_count": None, "id": f"cell{i}", "metadata": {},
+             "outputs": [], "source": source}
+            for i, source in enumerate(cells)
+        ],
+        "metadata": {
+            "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
+            "language_info": {"name": "python"},
+        },
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
+    path.write_text(json.dumps(notebook, indent=1))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until_up(url: str, proc: subprocess.Popen[bytes], log: Path,
+                  timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"jupyter lab exited ({proc.returncode}):\n{log.read_text()}")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"jupyter lab did not answer on {url}:\n{log.read_text()}")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)  # the server shuts its kernels down
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+@pytest.fixture
+def lab(tmp_path: Path, daemon: Client) -> Iterator[dict[str, Any]]:
+    """A running ``jupyter lab`` whose kernels use ``daemon``; its URL, token and log."""
+    missing = missing_prerequisites()
+    if missing:
+        message = "browser tests need: " + "; ".join(missing)
+        if os.environ.get("OVERMIND_LAB_REQUIRE_UI") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+
+    root = tmp_path / "root"
+    save_tiny_unet(root / "models" / "unet")
+    write_notebook(root / "load.ipynb", LOAD_CELLS)
+    write_notebook(root / "again.ipynb", LOAD_CELLS)
+    write_notebook(root / "change.ipynb", CHANGE_CELLS)
+
+    # This tree's build of the extension, whatever is installed in the environment.
+    extensions = tmp_path / "labextensions"
+    extensions.mkdir()
+    (extensions / "overmind-lab").symlink_to(LABEXTENSION)
+    config = tmp_path / "config"
+    config.mkdir()
+    (config / "jupyter_server_config.json").write_text(json.dumps({
+        "ServerApp": {"jpserver_extensions": {"overmind_lab._server": True}},
+    }))
+    # No "receive Jupyter news?" toast over the screenshots.
+    (config / "labconfig").mkdir()
+    (config / "labconfig" / "page_config.json").write_text(json.dumps({
+        "disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True},
+    }))
+
+    port, token = free_port(), secrets.token_hex(16)
+    env = dict(os.environ)
+    env.update({
+        "JUPYTER_CONFIG_DIR": str(config),
+        "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+        "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "settings"),
+        "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "workspaces"),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+        # OVERMIND_LAB_SOCKET comes from the sock_path fixture: kernels inherit it.
+    })
+    log = tmp_path / "lab.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jupyter", "lab", "--allow-root", "--no-browser",
+             "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
+             "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
+             f"--ServerApp.base_url={BASE_URL}", f"--ServerApp.root_dir={root}",
+             f"--LabApp.extra_labextensions_path={extensions}",
+             "--LabApp.expose_app_in_browser=True"],
+            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+            cwd=root)
+    try:
+        url = f"http://127.0.0.1:{port}{BASE_URL}"
+        wait_until_up(f"{url}api/status?token={token}", proc, log)
+        yield {"url": url, "token": token, "log": log, "root": root}
+    finally:
+        stop(proc)
+
+
+def test_sidebar_in_a_real_browser(lab: dict[str, Any], daemon: Client) -> None:
+    artifacts = UI_TESTS / "artifacts"
+    env = dict(os.environ)
+    env.update({
+        "OVERMIND_UI_URL": lab["url"],
+        "OVERMIND_UI_TOKEN": lab["token"],
+        "OVERMIND_UI_ARTIFACTS": str(artifacts),
+        "OVERMIND_UI_CHROMIUM": CHROMIUM,
+        "PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD": "1",
+    })
+    playwright = UI_TESTS / "node_modules" / ".bin" / "playwright"
+    proc = subprocess.run([str(playwright), "test"], cwd=UI_TESTS, env=env,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=900)
+    report = f"{proc.stdout}\n{proc.stderr}"
+    artifacts.mkdir(exist_ok=True)
+    (artifacts / "playwright.log").write_text(report)
+    assert proc.returncode == 0, (
+        f"playwright failed:\n{report[-12000:]}\n--- jupyter lab log (tail) ---\n"
+        f"{lab['log'].read_text()[-4000:]}")
+    for name in ("light", "dark", "empty-light", "refreshed-light"):
+        assert (artifacts / f"sidebar-{name}.png").is_file()
+    # Everything the browser did left the daemon consistent and empty.
+    assert daemon.entries() == []
