@@ -163,7 +163,8 @@ def test_waiter_takes_over_when_the_loader_is_killed(daemon: Client, tmp_path: P
     counter = tmp_path / "calls"
     here = str(Path(__file__).resolve().parent.parent)
     slow = textwrap.dedent(COUNTED_LOADER.format(here=here, counter=str(counter), delay=60.0))
-    loader = subprocess.Popen([sys.executable, "-c", slow], cwd="/")
+    loader = subprocess.Popen([sys.executable, "-c", slow], cwd="/",
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while not counter.exists():  # the loader is inside the original function
         assert time.monotonic() < deadline and loader.poll() is None
@@ -226,7 +227,7 @@ def test_killing_the_storer_or_a_holder_loses_nothing(daemon: Client, tmp_path: 
     storer = start_holder(here, counter)
     holder = start_holder(here, counter)
     storer.kill()
-    storer.wait()
+    storer.communicate()
     assert finish_holder(holder) == 4096.0 * 3
     code = COUNTED_LOADER.format(here=here, counter=str(counter), delay=0.0)
     assert last_json(run_py(code))["outcome"] == "warm"
