@@ -17,8 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "_jupyter_server_extension_points",
     "_jupyter_labextension_paths",
+    "_jupyter_server_extension_points",
     "_load_jupyter_server_extension",
 ]
 

@@ -26,8 +26,9 @@ of its own, never on the event loop, and never on the server's default executor.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
@@ -42,7 +43,7 @@ from overmind_lab._paths import available_memory, total_memory
 if TYPE_CHECKING:
     from overmind_lab._client import Client
 
-__all__ = ["OvermindLab", "setup_handlers", "API_PREFIX"]
+__all__ = ["API_PREFIX", "OvermindLab", "setup_handlers"]
 
 #: Path of the REST API below the server's ``base_url``.
 API_PREFIX = "overmind-lab/api/v1"
