@@ -176,6 +176,7 @@ def test_status_is_html_in_lab_and_text_in_a_terminal(
     report = shell.run_line_magic("overmind_status", "")
     assert isinstance(report, StatusReport)
     [entry] = report.entries
+    assert shell.display_formatter is not None
     formats, _ = shell.display_formatter.format(report)
     html, text = formats["text/html"], formats["text/plain"]
     assert "<table>" in html and f'title="{entry["key"]}"' in html

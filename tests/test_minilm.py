@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -45,13 +46,13 @@ print(json.dumps({{
 
 
 @pytest.fixture(scope="module")
-def plain() -> dict[str, object]:
+def plain() -> dict[str, Any]:
     """The reference: the same code without overmind-lab."""
     return last_json(run_py(EMBED.format(patch=False), env=CHILD_ENV))
 
 
 def test_minilm_loads_warm_through_automodel_with_the_same_embeddings(
-        daemon: Client, plain: dict[str, object]) -> None:
+        daemon: Client, plain: dict[str, Any]) -> None:
     cold = last_json(run_py(EMBED.format(patch=True), env=CHILD_ENV))
     warm = last_json(run_py(EMBED.format(patch=True), env=CHILD_ENV))
 

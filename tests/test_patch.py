@@ -43,7 +43,7 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _import_every_root() -> list[tuple[type, str]]:
     import importlib
 
-    found = []
+    found: list[tuple[type, str]] = []
     for module, name, methods in _ROOTS:
         cls = getattr(importlib.import_module(module), name)
         found.extend((cls, m) for m in methods)
