@@ -200,7 +200,7 @@ def _kernel_status() -> str:
     client = overmind_lab.Client()
     try:
         status = client.start()
-    except overmind_lab.OvermindError as exc:
+    except (overmind_lab.OvermindError, OSError) as exc:  # as load() does: never fail
         return f"{head}.\ndaemon unavailable, loads run uncached: {exc}"
     return f"{head}.\n{status_line(status)}"
 

@@ -14,7 +14,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from traitlets.config import Config
 
 import overmind_lab
-from overmind_lab import Client
+from overmind_lab import Client, OvermindWarning
 from overmind_lab._format import StatusReport
 
 LOAD = "unet = UNet2DConditionModel.from_pretrained(p)"
@@ -197,6 +197,23 @@ def test_status_without_a_daemon_says_so(shell: InteractiveShell, daemon: Client
     report = shell.run_line_magic("overmind_status", "")
     assert repr(report).startswith(f"no daemon is running on {daemon.path}")
     assert report.entries == []
+
+
+def test_without_a_daemon_loads_run_uncached_with_a_warning(
+        shell: InteractiveShell, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("OVERMIND_LAB_SOCKET", str(blocker / "d.sock"))
+    shell.run_line_magic("overmind_load", "")
+    out = lines(capsys)
+    assert overmind_lab.is_patched()
+    assert out[1].startswith("daemon unavailable, loads run uncached: ")
+    with pytest.warns(OvermindWarning, match="the cache is unavailable"):
+        shell.run_line_magic("overmind_load", LOAD)
+    [line] = lines(capsys)
+    assert line.startswith("loaded ") and " without the cache: " in line
+    assert type(shell.user_ns["unet"]).__name__ == "UNet2DConditionModel"
 
 
 def test_unload_ext_undoes_the_patching(shell: InteractiveShell) -> None:
