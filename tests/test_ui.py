@@ -56,6 +56,9 @@ CHANGE_CELLS = [
 ]
 
 
+STOP_CELLS = ["from overmind_lab import Client", 'print("STOPPED", Client().stop())']
+
+
 def missing_prerequisites() -> list[str]:
     missing = []
     if not os.access(CHROMIUM, os.X_OK):
@@ -135,6 +138,7 @@ def lab(tmp_path: Path, daemon: Client) -> Iterator[dict[str, Any]]:
     write_notebook(root / "load.ipynb", LOAD_CELLS)
     write_notebook(root / "again.ipynb", LOAD_CELLS)
     write_notebook(root / "change.ipynb", CHANGE_CELLS)
+    write_notebook(root / "stop.ipynb", STOP_CELLS)
 
     # This tree's build of the extension, whatever is installed in the environment.
     extensions = tmp_path / "labextensions"
@@ -200,7 +204,8 @@ def test_sidebar_in_a_real_browser(lab: dict[str, Any], daemon: Client) -> None:
     assert proc.returncode == 0, (
         f"playwright failed:\n{report[-12000:]}\n--- jupyter lab log (tail) ---\n"
         f"{lab['log'].read_text()[-4000:]}")
-    for name in ("light", "dark", "empty-light", "refreshed-light"):
+    for name in ("light", "dark", "empty-light", "refreshed-light", "down-light"):
         assert (artifacts / f"sidebar-{name}.png").is_file()
-    # Everything the browser did left the daemon consistent and empty.
+    # The browser stopped the daemon from a kernel and started it again from the sidebar.
+    assert daemon.status()["running"] is True
     assert daemon.entries() == []

@@ -137,10 +137,13 @@ function DaemonState({
   }
   if (!status.running) {
     return (
-      <div className="jp-OvermindLab-daemon jp-OvermindLab-daemon-down">
+      <div
+        className="jp-OvermindLab-daemon jp-OvermindLab-daemon-down"
+        title={status.error ?? `no daemon on ${status.socket}`}
+      >
         <span className="jp-OvermindLab-dot" aria-hidden="true" />
         <span className="jp-OvermindLab-daemonText">
-          Daemon not running{status.error ? `: ${status.error}` : ''}
+          Daemon not running. The next cached load starts it.
         </span>
         <button
           type="button"

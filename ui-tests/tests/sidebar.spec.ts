@@ -6,6 +6,7 @@
  *   load.ipynb      %load_ext overmind_lab; %overmind_load unet = ...from_pretrained("models/unet")
  *   again.ipynb     the same cells (a second kernel: a warm load)
  *   change.ipynb    saves new weights into models/unet (the model on disk changes)
+ *   stop.ipynb      stops the daemon (Client().stop())
  */
 import * as fs from 'fs';
 import * as path from 'path';
@@ -250,5 +251,19 @@ test('the sidebar shows, refreshes and evicts a model cached by a kernel', async
     await expect(panel.locator('.jp-OvermindLab-notice')).toContainText('Evicted 1 entry');
     expect(await restEntries(request)).toEqual([]);
     await screenshots(page, panel, 'evicted-light');
+  });
+
+  await test.step('a stopped daemon is a state with a start button', async () => {
+    const pid = (await restStatus(request)).pid;
+    await runNotebook(page, 'stop.ipynb', 'STOPPED True');
+    panel = await showSidebar(page);
+    await expect(panel.locator('.jp-OvermindLab-daemon-down')).toContainText('not running');
+    expect((await restStatus(request)).running).toBe(false);
+    await screenshots(page, panel, 'down-light');
+    await panel.getByRole('button', { name: 'Start the overmind-lab daemon' }).click();
+    await expect(panel.locator('.jp-OvermindLab-daemon-up')).toContainText('Daemon running');
+    const status = await restStatus(request);
+    expect(status.running).toBe(true);
+    expect(status.pid).not.toBe(pid);
   });
 });
