@@ -166,6 +166,17 @@ async def test_status_with_the_daemon_down_is_not_an_error(
     assert Client(sock_path).status()["running"] is False
 
 
+async def test_configured_socket_wins_over_the_environment(
+        daemon: Client, jp_serverapp: Any, jp_fetch: Fetch,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OVERMIND_LAB_SOCKET", "/tmp/overmind-lab-no-such-dir/d.sock")
+    assert (await get_json(jp_fetch, "status"))["running"] is False
+    # c.OvermindLab.socket_path = ... (set on the live configurable)
+    jp_serverapp.web_app.settings["overmind_lab"].socket_path = str(daemon.path)
+    status = await get_json(jp_fetch, "status")
+    assert status["running"] is True and status["socket"] == str(daemon.path)
+
+
 # -- entries -----------------------------------------------------------------------------
 async def test_entries_with_the_daemon_down_are_empty(sock_path: Path, jp_fetch: Fetch) -> None:
     assert await get_json(jp_fetch, "entries") == {"entries": []}
