@@ -293,6 +293,9 @@ class Daemon:
             cold_seconds=float(msg.get("cold_seconds", 0.0)),
             store_seconds=float(msg.get("store_seconds", 0.0)), call=msg.get("call"),
         )
+        replaced = self.index.get(key)
+        if replaced is not None:  # a refresh in progress goes on showing on the new entry
+            entry.refresh = dict(replaced.refresh)
         self.index.unreserve(key)
         self.index.add(entry, new)
         held.discard(key)

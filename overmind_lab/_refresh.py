@@ -39,16 +39,19 @@ class Refresher:
     def start(self, entry: Any) -> dict[str, Any]:
         """Start refreshing ``entry``; returns the entry as listed."""
         if entry.call is None:
+            entry.refresh = {"state": "failed", "started": None,
+                             "message": "this load cannot be replayed (its arguments are not "
+                                        "plain values); the entry was evicted"}
+            view = self._find(entry.key)
             self.daemon.index.evict(entry.key)
-            return self._view(entry, "failed", "this load cannot be replayed (its arguments "
-                                               "are not plain values); the entry was evicted")
+            return view
         if entry.key not in self.tasks:
             entry.refresh = {"state": "running", "message": "reloading from source",
                              "started": time.time()}
             task = asyncio.ensure_future(self._run(entry))
             self.tasks[entry.key] = task
             task.add_done_callback(self._done(entry.key))
-        return self._find(entry.key) or self._view(entry, **_state(entry))
+        return self._find(entry.key)
 
     def _done(self, key: str) -> Any:
         def forget(_task: asyncio.Task[None]) -> None:
@@ -56,14 +59,8 @@ class Refresher:
 
         return forget
 
-    def _view(self, entry: Any, state: str, message: str) -> dict[str, Any]:
-        entry.refresh = {"state": state, "message": message,
-                         "started": entry.refresh.get("started")}
-        return {"key": entry.key, "name": entry.name, "refresh": dict(entry.refresh),
-                "replayable": entry.call is not None}
-
-    def _find(self, key: str) -> dict[str, Any] | None:
-        return next((e for e in self.daemon.list_entries() if e["key"] == key), None)
+    def _find(self, key: str) -> dict[str, Any]:
+        return next(e for e in self.daemon.list_entries() if e["key"] == key)
 
     async def _run(self, entry: Any) -> None:
         call = entry.call
@@ -102,11 +99,6 @@ class Refresher:
                                   "started": entry.refresh.get("started"),
                                   "previous": entry.key}
         log.info("refreshed %s -> %s in %.1f s", entry.key[:12], new_key[:12], seconds)
-
-
-def _state(entry: Any) -> dict[str, str]:
-    return {"state": entry.refresh.get("state", "idle"),
-            "message": entry.refresh.get("message", "")}
 
 
 def _last_json(out: bytes) -> dict[str, Any]:
