@@ -63,6 +63,9 @@ def load(paths: dict[str, Path], dtype: str) -> tuple[Any, list[Any]]:
         ]
         pipe = StableDiffusionControlNetPipeline.from_pretrained(
             paths["sd15"], vae=vae, controlnet=controlnets, dtype=torch_dtype)
+    # As without the cache, the pipeline holds the very objects passed in.
+    assert pipe.vae is vae
+    assert all(n is c for n, c in zip(pipe.controlnet.nets, controlnets, strict=True))
     return pipe, events
 
 

@@ -10,6 +10,7 @@ the caller gets the original function's result and one warning.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import threading
 import time
@@ -133,7 +134,7 @@ def load(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     start = time.perf_counter()
     if _state.bypass:
         result = _plain(fn, args, kwargs)
-        _emit(LoadEvent(None, getattr(fn, "__qualname__", repr(fn)), "bypass",
+        _emit(LoadEvent(None, _keys.describe(fn, args, kwargs), "bypass",
                         time.perf_counter() - start))
         return result
     try:
@@ -141,7 +142,7 @@ def load(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     except NotCacheable as exc:
         _warn_once(f"key:{exc}", f"loading without the cache: {exc}")
         result = _plain(fn, args, kwargs)
-        _emit(LoadEvent(None, getattr(fn, "__qualname__", repr(fn)), "uncached",
+        _emit(LoadEvent(None, _keys.describe(fn, args, kwargs), "uncached",
                         time.perf_counter() - start, reason=str(exc)))
         return result
     client = Client()
@@ -173,9 +174,10 @@ def _load_with(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
         reply, fds = session.lookup(info.key, refresh=bool(_state.refresh))
     except (OvermindError, OSError) as exc:
         return _fallback(fn, args, kwargs, info, start, exc)
+    components = _components(args, kwargs)
     if reply.get("hit"):
         try:
-            obj = _rebuild(reply["entry"], fds)
+            obj = _rebuild(reply["entry"], fds, components)
         except Exception as exc:  # noqa: BLE001 - any rebuild failure means: load it
             _warn_once(f"rebuild:{info.key}", f"could not rebuild {info.name} from the "
                                               f"cache ({exc!r}); loading it from source")
@@ -193,7 +195,7 @@ def _load_with(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
     result = _plain(fn, args, kwargs)
     cold = time.perf_counter() - start
     try:
-        obj = _store(session, info, result, cold)
+        obj = _store(session, info, result, cold, components)
     except NotCacheable as exc:
         _warn_once(f"store:{info.key}:{exc}", f"{info.name} was loaded but not cached: {exc}")
         _emit(LoadEvent(info.key, info.name, "uncached", time.perf_counter() - start,
@@ -206,15 +208,24 @@ def _load_with(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
         return result
     _emit(LoadEvent(info.key, info.name, "cold", time.perf_counter() - start,
                     cold_seconds=cold))
+    if obj is not result:
+        del result
+        _trim_heap()  # the loader's own copy is gone: give its pages back now
     return obj  # type: ignore[no-any-return]
 
 
-def _store(session: Session, info: _keys.KeyInfo, result: Any, cold: float) -> Any:
-    """Park ``result`` in a new segment; return the object rebuilt from the cache."""
+def _store(session: Session, info: _keys.KeyInfo, result: Any, cold: float,
+           components: dict[str, Any]) -> Any:
+    """Park ``result`` in a new segment; return the object rebuilt from the cache.
+
+    A result that only ``dill`` could pickle (a class defined inside a function, say) is
+    returned as is: rebuilt, its class would be a copy, and ``isinstance`` would fail in
+    this process.
+    """
     from overmind_lab._errors import ProtocolError
 
     t0 = time.perf_counter()
-    stream, plan, kind = dump(result)
+    stream, plan, kind = dump(result, {id(v): k for k, v in components.items()})
     stream_offset = plan.place(stream, len(stream))
     refs = [m.segment_id for m in plan.refs]
     try:
@@ -243,13 +254,41 @@ def _store(session: Session, info: _keys.KeyInfo, result: Any, cold: float) -> A
         os.close(fd)
     # Rebuild from the segment, as every later process will: the loader's own copy can
     # be freed, and the result carries its provenance (Note [Provenance]).
+    if kind == "dill":
+        _keys.remember(result, info.key)
+        return result
     reply, fds = session.lookup(info.key, own=True)
     if not reply.get("hit"):
         raise OvermindError("the entry vanished right after it was stored")
-    return _rebuild(reply["entry"], fds)
+    return _rebuild(reply["entry"], fds, components)
 
 
-def _rebuild(entry: dict[str, Any], fds: list[int]) -> Any:
+def _components(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Arguments (also inside lists, tuples, dicts) that came from the cache, by key."""
+    found: dict[str, Any] = {}
+    stack: list[Any] = [*args, *kwargs.values()]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, (list, tuple)):
+            stack.extend(value)
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        else:
+            key = _keys.key_of(value)
+            if key is not None:
+                found[key] = value
+    return found
+
+
+def _trim_heap() -> None:
+    """Return freed heap pages to the system (glibc keeps them for reuse otherwise)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def _rebuild(entry: dict[str, Any], fds: list[int], components: dict[str, Any]) -> Any:
     segments = entry["segments"]
     if len(segments) != len(fds):
         for fd in fds:
@@ -268,7 +307,7 @@ def _rebuild(entry: dict[str, Any], fds: list[int]) -> Any:
     stream = mappings[seg].view(offset, length)
     try:
         obj = load_stream(stream, meta["pickler"], mappings,
-                          [tuple(b) for b in meta.get("buffers", [])])
+                          [tuple(b) for b in meta.get("buffers", [])], components)
     finally:
         stream.release()
     _keys.remember(obj, entry["key"])

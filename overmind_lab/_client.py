@@ -85,9 +85,12 @@ class Client:
             chan.close()
 
     def _spawn(self) -> None:
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        lock_fd = os.open(self.path.with_name(self.path.name + ".start"),
-                          os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            lock_fd = os.open(self.path.with_name(self.path.name + ".start"),
+                              os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise DaemonUnavailable(f"cannot start a daemon on {self.path}: {exc}") from exc
         try:
             _flock(lock_fd, START_TIMEOUT)
             try:  # someone else may have started it while we waited for the lock

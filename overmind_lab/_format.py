@@ -155,12 +155,12 @@ def html_table(
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(trs)}</tbody></table>"
 
 
-_ENTRY_HEADERS = ("name", "size", "shared", "hits", "cold", "warm", "speedup", "holders",
+ENTRY_HEADERS = ("name", "size", "shared", "hits", "cold", "warm", "speedup", "holders",
                   "last used")
 
 
 def entry_row(entry: dict[str, Any], now: float | None = None) -> list[str]:
-    """The cells of one entry (daemon ``list`` JSON) in :data:`_ENTRY_HEADERS` order."""
+    """The cells of one entry (daemon ``list`` JSON) in `ENTRY_HEADERS` order."""
     warm = entry.get("warm_seconds") or []
     last_warm = warm[-1] if warm else None
     holders = entry.get("holders") or []
@@ -211,7 +211,7 @@ class StatusReport:
     def __repr__(self) -> str:
         lines = [status_line(self.status)]
         if self.entries:
-            lines += ["", text_table(_ENTRY_HEADERS, self.rows(), right=(1, 2, 3, 4, 5, 6))]
+            lines += ["", text_table(ENTRY_HEADERS, self.rows(), right=(1, 2, 3, 4, 5, 6))]
         elif self.status.get("running"):
             lines.append("the cache is empty")
         return "\n".join(lines)
@@ -221,7 +221,7 @@ class StatusReport:
         if self.entries:
             titles = [str(e.get("key", "")) for e in self.entries]
             parts.append(
-                html_table(_ENTRY_HEADERS, self.rows(), right=(1, 2, 3, 4, 5, 6), titles=titles)
+                html_table(ENTRY_HEADERS, self.rows(), right=(1, 2, 3, 4, 5, 6), titles=titles)
             )
         elif self.status.get("running"):
             parts.append("<p>the cache is empty</p>")

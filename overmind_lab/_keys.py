@@ -123,9 +123,11 @@ def normalize(value: Any, where: str) -> Any:
     if isinstance(value, (list, tuple)):
         return {type(value).__name__: [normalize(v, where) for v in value]}
     if isinstance(value, dict):
-        if not all(isinstance(k, str) for k in value):
-            raise NotCacheable(f"argument {where} is a dict with non-string keys")
-        return {"dict": {k: normalize(value[k], f"{where}[{k!r}]") for k in sorted(value)}}
+        if all(isinstance(k, str) for k in value):
+            return {"dict": {k: normalize(value[k], f"{where}[{k!r}]") for k in sorted(value)}}
+        pairs = [[normalize(k, f"{where} key"), normalize(v, f"{where}[{k!r}]")]
+                 for k, v in value.items()]  # e.g. id2label = {0: "negative", ...}
+        return {"pairs": sorted(pairs, key=lambda p: json.dumps(p, sort_keys=True))}
     cached = key_of(value)
     if cached is not None:
         return {"cached": cached}
@@ -275,13 +277,29 @@ def _source_param(sig: inspect.Signature) -> str | None:
 def _display_name(qual: str, bound: inspect.BoundArguments, source_param: str | None) -> str:
     parts = qual.split(".")
     short = ".".join(parts[-2:]) if len(parts) >= 2 else qual
-    shown = ""
+    shown = []
     if source_param is not None and source_param in bound.arguments:
         value = bound.arguments[source_param]
         text = os.fspath(value) if isinstance(value, os.PathLike) else value
-        shown = repr(text) if not isinstance(text, str) or len(text) < 120 else repr(
-            "…" + text[-100:])
-    return f"{short}({shown})"
+        shown.append(repr(text) if not isinstance(text, str) or len(text) < 120 else repr(
+            "…" + text[-100:]))
+    extra = {**bound.arguments, **next((v for p, v in bound.arguments.items()
+                                        if bound.signature.parameters[p].kind
+                                        is inspect.Parameter.VAR_KEYWORD), {})}
+    if isinstance(extra.get("subfolder"), str) and extra["subfolder"]:
+        shown.append(f"subfolder={extra['subfolder']!r}")
+    return f"{short}({', '.join(shown)})"
+
+
+def describe(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """The display name of a call, for calls that get no key (never raises)."""
+    try:
+        qual, _ = callable_name(fn)
+        sig = inspect.signature(fn)
+        bound = sig.bind(*args, **kwargs)
+    except (NotCacheable, TypeError, ValueError):
+        return str(getattr(fn, "__qualname__", repr(fn)))
+    return _display_name(qual, bound, _source_param(sig))
 
 
 # Note [Replay]: a refresh re-runs the recorded call in a fresh interpreter. Only calls

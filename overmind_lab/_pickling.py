@@ -133,7 +133,8 @@ def rebuild_tensor(storage: Any, offset: int, size: tuple[int, ...], stride: tup
     return t
 
 
-def _make_pickler(base: type, file: io.BytesIO, plan: WritePlan) -> Any:
+def _make_pickler(base: type, file: io.BytesIO, plan: WritePlan,
+                  components: dict[int, str]) -> Any:
     import torch
 
     class StoragePickler(base):  # type: ignore[misc]
@@ -144,6 +145,9 @@ def _make_pickler(base: type, file: io.BytesIO, plan: WritePlan) -> Any:
             return NotImplemented
 
         def persistent_id(self, obj: Any) -> Any:
+            key = components.get(id(obj))
+            if key is not None:  # Note [Components by reference]
+                return ("c", key)
             if isinstance(obj, torch.storage.TypedStorage):
                 untyped, dtype, typed = obj._untyped_storage, obj.dtype, True
             elif isinstance(obj, torch.UntypedStorage):
@@ -157,15 +161,22 @@ def _make_pickler(base: type, file: io.BytesIO, plan: WritePlan) -> Any:
     return StoragePickler(file, protocol=5, buffer_callback=plan.reduce_buffer)
 
 
-def dump(obj: Any) -> tuple[bytes, WritePlan, str]:
-    """Pickle ``obj``; returns the stream, the plan of its bytes, and the pickler used."""
+# Note [Components by reference]: a component passed to the call that came from the cache
+# (``vae=vae``) is pickled as a reference to its key, and unpickled as the very object the
+# caller passed, so ``pipe.vae is vae`` holds as it does without the cache. A hit always
+# has those objects at hand: their keys are part of the call's key.
+def dump(obj: Any, components: dict[int, str] | None = None) -> tuple[bytes, WritePlan, str]:
+    """Pickle ``obj``; returns the stream, the plan of its bytes, and the pickler used.
+
+    ``components`` maps ``id()`` of objects to pickle by reference to their cache key.
+    """
     errors = []
     for kind in ("pickle", "dill"):
         plan = WritePlan()
         file = io.BytesIO()
         try:
             base = pickle.Pickler if kind == "pickle" else _dill().Pickler
-            _make_pickler(base, file, plan).dump(obj)
+            _make_pickler(base, file, plan, components or {}).dump(obj)
             return file.getvalue(), plan, kind
         except (pickle.PicklingError, TypeError, AttributeError, ValueError) as exc:
             errors.append(exc)
@@ -212,13 +223,19 @@ def _to_device(untyped: Any, device: Any) -> Any:
 
 
 def _make_unpickler(base: type, file: io.BytesIO, mappings: list[Mapping],
-                    buffers: list[memoryview]) -> Any:
+                    buffers: list[memoryview], components: dict[str, Any]) -> Any:
     memo: dict[tuple[int, int, int], Any] = {}
 
     class StorageUnpickler(base):  # type: ignore[misc]
         def persistent_load(self, pid: Any) -> Any:
             if isinstance(pid, tuple) and pid and pid[0] == "s":
                 return rebuild_storage(mappings, pid, memo)
+            if isinstance(pid, tuple) and len(pid) == 2 and pid[0] == "c":
+                try:
+                    return components[pid[1]]
+                except KeyError:
+                    raise pickle.UnpicklingError(
+                        f"component {pid[1]} was not passed to this call") from None
             raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
 
         def find_class(self, module: str, name: str) -> Any:
@@ -230,11 +247,13 @@ def _make_unpickler(base: type, file: io.BytesIO, mappings: list[Mapping],
 
 
 def load_stream(stream: memoryview, kind: str, mappings: list[Mapping],
-                buffer_locations: list[tuple[int, int, int]]) -> Any:
-    """Rebuild an object from its stream and mapped segments."""
+                buffer_locations: list[tuple[int, int, int]],
+                components: dict[str, Any] | None = None) -> Any:
+    """Rebuild an object from its stream and mapped segments (and passed components)."""
     buffers = [mappings[s].view(o, n) for s, o, n in buffer_locations]
     base = pickle.Unpickler if kind == "pickle" else _dill().Unpickler
-    return _make_unpickler(base, io.BytesIO(stream), mappings, buffers).load()
+    return _make_unpickler(base, io.BytesIO(stream), mappings, buffers,
+                           components or {}).load()
 
 
 # Note [Dynamic modules]: diffusers and transformers import code shipped with a model

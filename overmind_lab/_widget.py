@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 try:
-    import ipywidgets as w  # type: ignore[import-untyped]
+    import ipywidgets as w
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "overmind_lab.widget() needs ipywidgets: pip install 'overmind-lab[jupyter]'"

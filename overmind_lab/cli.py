@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from typing import Any
 
 from overmind_lab._errors import DaemonUnavailable, OvermindError
@@ -39,27 +38,6 @@ def _client(args: argparse.Namespace) -> Any:
 def _print_json(data: Any) -> None:
     json.dump(data, sys.stdout, indent=2, sort_keys=True)
     sys.stdout.write("\n")
-
-
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
-    lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
-    return "\n".join(line.rstrip() for line in lines)
-
-
-def _seconds(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
-
-
-def _median(values: list[float]) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -82,6 +60,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    from overmind_lab._format import ENTRY_HEADERS, entry_row, text_table
+
     entries = _client(args).entries()
     if args.json:
         _print_json(entries)
@@ -89,16 +69,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not entries:
         print("no cached entries")
         return 0
-    now = time.time()
-    rows = []
-    for e in entries:
-        warm = _median(e["warm_seconds"])
-        rows.append([
-            e["key"][:12], e["name"], format_size(e["bytes"]), str(e["hits"]),
-            _seconds(e["cold_seconds"]), _seconds(warm),
-            f"{now - e['last_used']:.0f} s ago", ",".join(map(str, e["holders"])) or "-",
-        ])
-    print(_table(rows, ["KEY", "NAME", "SIZE", "HITS", "COLD", "WARM", "USED", "HOLDERS"]))
+    rows = [[e["key"][:12], *entry_row(e)] for e in entries]
+    print(text_table(("key", *ENTRY_HEADERS), rows, right=(2, 3, 4, 5, 6, 7)))
     return 0
 
 

@@ -41,3 +41,8 @@ def base_weights() -> torch.nn.Module:
 def wrap(component: torch.nn.Module, extra: int) -> dict[str, Any]:
     """A 'pipeline' that holds a component passed in, plus weights of its own."""
     return {"component": component, "own": torch.zeros(extra)}
+
+
+def borrow(component: torch.nn.Module, extra: int) -> dict[str, Any]:
+    """A result that holds a component's tensor (not the component itself)."""
+    return {"weight": component.weight, "own": torch.zeros(extra)}

@@ -264,23 +264,37 @@ def test_unreachable_daemon_falls_back_with_one_warning(monkeypatch: pytest.Monk
     assert first["f"](1) == 2 and second["f"](2) == 3  # type: ignore[index]
 
 
-def test_component_from_the_cache_is_referenced_not_stored_twice(daemon: Client) -> None:
+def test_component_passed_in_is_the_same_object_and_not_stored_again(
+        daemon: Client) -> None:
     from tests.loaders import base_weights, wrap
 
     base = overmind_lab.load(base_weights)
     assert overmind_lab.key_of(base) is not None
-    whole = overmind_lab.load(wrap, base, 1024)
-    outer = daemon.entries()[0]  # most recently used first
+    with overmind_lab.record_loads() as events:
+        cold = overmind_lab.load(wrap, base, 1024)
+        warm = overmind_lab.load(wrap, base, 1024)
+    assert [e.outcome for e in events] == ["cold", "warm"]
+    assert cold["component"] is base and warm["component"] is base  # type: ignore[index]
+    outer, inner = daemon.entries()  # most recently used first
     assert outer["callable"] == "tests.loaders.wrap"
-    inner = daemon.entries()[1]
-    assert outer["shared_bytes"] == inner["bytes"] >= 256 * 256 * 4  # the component's segment
-    assert outer["bytes"] < 64 * 1024  # only its own 4 KiB and the stream
+    assert outer["bytes"] < 64 * 1024  # its own 4 KiB and the stream, not the component
     assert daemon.status()["cached_bytes"] == inner["bytes"] + outer["bytes"]
-    assert torch.equal(whole["component"].weight, base.weight)  # type: ignore[index]
-    # A component changed in place is not the cached one any more: its bytes are stored.
+
+
+def test_tensors_of_a_cached_object_are_referenced_not_copied(daemon: Client) -> None:
+    from tests.loaders import base_weights, borrow
+
+    base = overmind_lab.load(base_weights)
+    whole = overmind_lab.load(borrow, base, 1024)
+    outer, inner = daemon.entries()
+    assert outer["shared_bytes"] == inner["bytes"] >= 256 * 256 * 4  # the component's segment
+    assert outer["bytes"] < 64 * 1024
+    assert daemon.status()["cached_bytes"] == inner["bytes"] + outer["bytes"]
+    assert torch.equal(whole["weight"], base.weight)  # type: ignore[index]
+    # A tensor changed in place is not the cached one any more: its bytes are stored.
     with torch.no_grad():
         base.weight[0, 0] = -1.0
-    changed = overmind_lab.load(wrap, base, 2048)
-    assert float(changed["component"].weight.detach()[0, 0]) == -1.0  # type: ignore[index]
+    changed = overmind_lab.load(borrow, base, 2048)
+    assert float(changed["weight"].detach()[0, 0]) == -1.0  # type: ignore[index]
     newest = daemon.entries()[0]
     assert newest["shared_bytes"] == 0 and newest["bytes"] > 256 * 256 * 4
