@@ -298,3 +298,19 @@ def test_tensors_of_a_cached_object_are_referenced_not_copied(daemon: Client) ->
     assert float(changed["weight"].detach()[0, 0]) == -1.0  # type: ignore[index]
     newest = daemon.entries()[0]
     assert newest["shared_bytes"] == 0 and newest["bytes"] > 256 * 256 * 4
+
+
+def test_tokenizer_round_trip_is_exact(daemon: Client, tmp_path: Path) -> None:
+    from transformers import CLIPTokenizer
+
+    from overmind_lab._models import build_tokenizer
+
+    build_tokenizer(tmp_path / "tok")
+    plain = CLIPTokenizer.from_pretrained(tmp_path / "tok")
+    overmind_lab.load(CLIPTokenizer.from_pretrained, str(tmp_path / "tok"))
+    with overmind_lab.record_loads() as events:
+        warm = overmind_lab.load(CLIPTokenizer.from_pretrained, str(tmp_path / "tok"))
+    assert events[-1].outcome == "warm"
+    assert warm.backend_tokenizer.to_str() == plain.backend_tokenizer.to_str()
+    text = "a photo of an astronaut riding a horse on mars <|endoftext|>"
+    assert warm(text).input_ids == plain(text).input_ids
