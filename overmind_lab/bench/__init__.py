@@ -1,0 +1,81 @@
+"""``overmind-lab bench``: plain vs first vs warm loads of real-architecture SD 1.5 models.
+
+::
+
+    overmind-lab bench                       # full run (about 15-20 min on 2 cores)
+    overmind-lab bench --quick               # tiny models, 2 runs per mode (tests)
+    overmind-lab bench --only unet-fp16,pss  # some cases
+    python -m overmind_lab.bench ...         # the same without the CLI
+
+It builds (once, kept under ``--models-dir``) random-weight models with the real Stable
+Diffusion 1.5 architectures, then measures in fresh processes, with the page cache warm,
+the load call alone for a plain ``from_pretrained``, the first load through the cache and
+a warm load through the cache; the summed PSS of 4 processes holding the UNet warm vs
+plainly; whether the warm object equals a plain load; and the Jupyter kernel-restart
+loop. Writes ``results.json``, ``results.md`` and ``results.png`` under ``--out``.
+
+By default a private daemon on a temporary socket is used (and stopped at the end), so
+the user's cache is never disturbed; ``--socket`` uses an existing daemon instead.
+
+Importing this package is cheap (no torch): the CLI imports it to register ``bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+__all__ = ["DEFAULT_MODELS_DIR", "DEFAULT_OUT", "add_arguments", "add_parser", "run"]
+
+DEFAULT_MODELS_DIR = "~/.cache/overmind-lab/bench-models"
+DEFAULT_OUT = "./bench-results"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``bench`` options, on any parser."""
+    from overmind_lab.bench._cases import ALL_NAMES
+
+    parser.add_argument("--models-dir", default=DEFAULT_MODELS_DIR,
+                        help="where the random-weight SD 1.5 models are built once and kept "
+                             "(default: %(default)s)")
+    parser.add_argument("--out", default=DEFAULT_OUT,
+                        help="directory for results.json, results.md, results.png and logs/ "
+                             "(default: %(default)s)")
+    parser.add_argument("--repeat", type=int, default=None,
+                        help="fresh processes per case and mode (default: 5, or 2 with --quick)")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny models and 2 runs per mode: checks that everything works "
+                             "(for tests), the ratios mean nothing")
+    parser.add_argument("--only", action="append", metavar="CASES",
+                        help="comma-separated cases to run (repeatable): "
+                             + ", ".join(ALL_NAMES) + "; or the groups unet, pipeline, loads")
+    parser.add_argument("--socket",
+                        help="use the daemon on this socket (started if needed, left running; "
+                             "its entries are evicted!) instead of a private temporary daemon")
+    parser.add_argument("--budget",
+                        help="memory budget of the private daemon, e.g. 12GiB (default: the "
+                             "daemon's default)")
+    parser.add_argument("--batch", type=int, default=2,
+                        help="processes that import at the same time while waiting for their "
+                             "turn; timed loads always run one at a time (default: %(default)s)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds allowed for one process's load (default: 900, 180 with --quick)")
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register the ``bench`` subcommand on an ``argparse`` subparsers object."""
+    help_text = "benchmark plain vs cached loads of SD 1.5 models"
+    parser = subparsers.add_parser(
+        "bench", help=help_text,
+        description=(__doc__ or help_text).split("\n\n")[0].strip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark for parsed ``bench`` arguments; returns the exit status."""
+    from overmind_lab.bench._suite import run_bench
+
+    return run_bench(args)

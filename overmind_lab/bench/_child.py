@@ -1,0 +1,247 @@
+"""The benchmark's measuring process: ``python -m overmind_lab.bench._child JOB_JSON``.
+
+One fresh process per measurement. It speaks JSON lines with the parent on a private
+copy of its original stdout (library output is sent to stderr, which the parent keeps in
+a log file):
+
+1. imports (timed): torch, the loading library and class, and for cached modes
+   ``overmind_lab`` with its load machinery; then ``{"event": "ready", ...}``;
+2. waits for ``go`` on stdin (so the parent can let it import while nothing is being
+   timed, and run the measurements one at a time);
+3. times the load call alone (``plain``: the library's own ``from_pretrained``;
+   ``first``/``warm``: ``overmind_lab.load(Cls.from_pretrained, ...)``), then, untimed
+   for the ratios, the first touch of every weight page, optionally a correctness check
+   against a plain load, and reports ``{"event": "result", ...}``;
+4. with ``hold``: sums every weight (all pages touched), reports ``holding`` and waits
+   for ``exit`` so the parent can read its PSS while the others are alive.
+
+Modes: ``plain``, ``first``, ``warm`` (``first`` and ``warm`` are the same call; the
+parent evicts before ``first``), ``idle`` (imports only: the runtime's memory).
+The parent never imports torch; only these processes do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+_proto: Any = None
+
+
+def _send(event: str, **fields: Any) -> None:
+    _proto.write(json.dumps({"event": event, **fields}, default=str) + "\n")
+    _proto.flush()
+
+
+def _wait_for(word: str) -> None:
+    line = sys.stdin.readline()
+    if not line:  # the parent went away
+        os._exit(3)
+    if line.strip() != word:
+        raise RuntimeError(f"expected {word!r} from the parent, got {line.strip()!r}")
+
+
+def _setup_streams() -> None:
+    """Keep the original stdout for the protocol; everything else prints to stderr."""
+    global _proto
+    proto_fd = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    _proto = os.fdopen(proto_fd, "w", buffering=1, encoding="utf-8")
+
+
+def _quiet_libraries() -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", message=".*torchvision.*")
+
+
+def _import_loader(loader: str) -> Any:
+    module_name, _, attr = loader.partition(":")
+    import importlib
+
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def _tensors(obj: Any) -> list[Any]:
+    """Every tensor an object holds (modules' state dicts, a pipeline's components)."""
+    import torch
+
+    out: list[Any] = []
+    if isinstance(obj, torch.nn.Module):
+        out.extend(obj.state_dict().values())
+    elif isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif hasattr(obj, "components") and isinstance(obj.components, dict):
+        for value in obj.components.values():
+            out.extend(_tensors(value))
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            out.extend(_tensors(value))
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            out.extend(_tensors(value))
+    return out
+
+
+def _unique_storages(tensors: list[Any]) -> list[Any]:
+    seen: set[tuple[int, int]] = set()
+    out = []
+    for t in tensors:
+        storage = t.untyped_storage()
+        ident = (storage.data_ptr(), storage.nbytes())
+        if ident in seen or storage.nbytes() == 0:
+            continue
+        seen.add(ident)
+        out.append(storage)
+    return out
+
+
+def _storage_bytes(storages: list[Any]) -> int:
+    return sum(int(s.nbytes()) for s in storages)
+
+
+def _touch_pages(storages: list[Any]) -> None:
+    """Read one byte of every 4 KiB page of every storage (faults each page in once)."""
+    import torch
+
+    for storage in storages:
+        view = torch.empty(0, dtype=torch.uint8).set_(storage)
+        view[::4096].sum()
+
+
+def _sum_all(tensors: list[Any]) -> float:
+    """Sum every element of every tensor (reads every byte; no full-size temporaries)."""
+    import torch
+
+    total = 0.0
+    with torch.no_grad():
+        for t in tensors:
+            if t.is_floating_point():
+                total += float(t.sum(dtype=torch.float32))
+            elif t.numel():
+                total += float(t.sum())
+    return total
+
+
+def _pss_self() -> dict[str, int]:
+    from overmind_lab.bench._memory import read_smaps_rollup
+
+    return read_smaps_rollup(os.getpid())
+
+
+def _main(job: dict[str, Any]) -> None:
+    _setup_streams()
+    _quiet_libraries()
+    mode = job["mode"]
+    cached = mode in ("first", "warm")
+
+    t0 = time.perf_counter()
+    import torch
+
+    t_torch = time.perf_counter()
+    cls = _import_loader(job["loader"])
+    t_lib = time.perf_counter()
+    if cached or job.get("import_overmind", False):
+        import overmind_lab
+        import overmind_lab._cache
+    t_om = time.perf_counter()
+    _send(
+        "ready",
+        pid=os.getpid(),
+        import_seconds=t_om - t0,
+        import_torch_seconds=t_torch - t0,
+        import_library_seconds=t_lib - t_torch,
+        import_overmind_seconds=t_om - t_lib,
+        torch_version=torch.__version__,
+        threads=torch.get_num_threads(),
+    )
+    _wait_for("go")
+
+    if mode == "idle":
+        _send("holding", pid=os.getpid(), pss=_pss_self())
+        _wait_for("exit")
+        _send("result", pid=os.getpid())
+        return
+
+    dtype = getattr(torch, job["dtype"])
+    kwargs = {"torch_dtype": dtype}
+    outcome = "plain"
+    event: dict[str, Any] = {}
+    if cached:
+        start = time.perf_counter()
+        with overmind_lab.record_loads() as events:
+            obj = overmind_lab.load(cls.from_pretrained, job["path"], **kwargs)
+        load_seconds = time.perf_counter() - start
+        if events:
+            ev = events[-1]
+            outcome = ev.outcome
+            event = {"outcome": ev.outcome, "seconds": ev.seconds, "cold_seconds": ev.cold_seconds,
+                     "reason": ev.reason, "key": ev.key}
+        else:
+            outcome = "unknown"
+    else:
+        start = time.perf_counter()
+        obj = cls.from_pretrained(job["path"], **kwargs)
+        load_seconds = time.perf_counter() - start
+
+    tensors = _tensors(obj)
+    storages = _unique_storages(tensors)
+    start = time.perf_counter()
+    _touch_pages(storages)
+    touch_seconds = time.perf_counter() - start
+
+    result: dict[str, Any] = {
+        "pid": os.getpid(),
+        "load_seconds": load_seconds,
+        "touch_seconds": touch_seconds,
+        "outcome": outcome,
+        "load_event": event,
+        "type": f"{type(obj).__module__}.{type(obj).__qualname__}",
+        "tensors": len(tensors),
+        "storage_bytes": _storage_bytes(storages),
+    }
+    if cached:
+        result["cache_key"] = overmind_lab.key_of(obj)
+    if job.get("check"):
+        from overmind_lab.bench._compare import compare
+
+        plain = cls.from_pretrained(job["path"], **kwargs)
+        result["check"] = compare(obj, plain)
+        del plain
+    if job.get("hold"):
+        start = time.perf_counter()
+        checksum = _sum_all(tensors)
+        result["sum_seconds"] = time.perf_counter() - start
+        result["checksum"] = checksum
+        _send("holding", **result)
+        _wait_for("exit")
+    _send("result", **result)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    job = json.loads(argv[0])
+    try:
+        _main(job)
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, then exit 1
+        if _proto is not None:
+            _send("error", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stderr.flush()
+    _proto.flush()
+    # skip interpreter teardown (unmapping gigabytes of tensors one by one): the parent
+    # waits for this exit before it times the next process.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,363 @@
+"""Benchmark results: statistics, the issue's targets, and the three output files.
+
+``results.json`` holds everything (every run of every process); ``results.md`` a
+markdown report with the ratios against the targets of issues 2 and 3; ``results.png``
+a bar chart (log scale) of plain / first / warm load times per case, with the PSS
+comparison and the kernel-restart cells beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "TARGETS",
+    "evaluate_targets",
+    "ratio",
+    "summarize",
+    "write_json",
+    "write_markdown",
+    "write_png",
+]
+
+MODES = ("plain", "first", "warm")
+_EXPECTED_OUTCOME = {"plain": "plain", "first": "cold", "warm": "warm"}
+
+#: (id, description, limit). The value is computed by :func:`evaluate_targets`.
+TARGETS: list[tuple[str, str, float]] = [
+    ("unet_fp16_warm", "warm / plain, UNet fp16 stored, loaded fp16", 0.15),
+    ("unet_conv_warm", "warm / plain, UNet fp32 stored, loaded fp16 (conversion)", 0.015),
+    ("unet_bytes_warm", "warm UNet fp32 (2x bytes) / warm UNet fp16", 1.3),
+    ("unet_conv_first", "first / plain, UNet fp32 stored, loaded fp16", 1.5),
+    ("unet_fp16_first", "first / plain, UNet fp16 stored, loaded fp16", 5.0),
+    ("pss", "summed PSS of 4 warm holders / (one copy + their runtime)", 1.2),
+    ("pipe_conv_warm", "warm / plain, pipeline fp32 stored, loaded fp16", 0.1),
+    ("pipe_fp16_warm", "warm / plain, pipeline fp16 stored, loaded fp16", 0.25),
+    ("correct", "warm object == plain load (type, bytes, requires_grad, mode, dtype, device)", 1.0),
+]
+
+
+def _stats(values: list[float]) -> dict[str, float | int] | None:
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "mean": statistics.fmean(values), "n": len(values)}
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b <= 0 or math.isnan(a) or math.isnan(b):
+        return None
+    return a / b
+
+
+def summarize(case: dict[str, Any]) -> None:
+    """Add per-mode statistics and the case's ratios to *case* (in place)."""
+    for mode in MODES:
+        runs = case.get("runs", {}).get(mode, [])
+        good = [r for r in runs if "error" not in r and r.get("outcome") == _EXPECTED_OUTCOME[mode]]
+        case.setdefault("stats", {})[mode] = {
+            "load": _stats([r["load_seconds"] for r in good]),
+            "touch": _stats([r["touch_seconds"] for r in good if "touch_seconds" in r]),
+            "imports": _stats([r["import_seconds"] for r in runs if "import_seconds" in r]),
+            "ok": len(good),
+            "failed": len([r for r in runs if "error" in r]),
+            "unexpected_outcome": sorted({str(r.get("outcome")) for r in runs
+                                          if "error" not in r
+                                          and r.get("outcome") != _EXPECTED_OUTCOME[mode]}),
+        }
+
+    def med(mode: str) -> float | None:
+        s = case["stats"][mode]["load"]
+        return None if s is None else float(s["median"])
+
+    case["ratios"] = {
+        "warm_over_plain": ratio(med("warm"), med("plain")),
+        "first_over_plain": ratio(med("first"), med("plain")),
+        "warm_over_first": ratio(med("warm"), med("first")),
+    }
+
+
+def _median(results: dict[str, Any], case: str, mode: str) -> float | None:
+    c = results.get("cases", {}).get(case)
+    if not c:
+        return None
+    s = c.get("stats", {}).get(mode, {}).get("load")
+    return None if s is None else float(s["median"])
+
+
+def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets with the measured values (``None`` when not measured)."""
+    cases = results.get("cases", {})
+    values: dict[str, float | None] = {
+        "unet_fp16_warm": cases.get("unet-fp16", {}).get("ratios", {}).get("warm_over_plain"),
+        "unet_conv_warm": cases.get("unet-fp32-as-fp16", {}).get("ratios", {}).get("warm_over_plain"),
+        "unet_bytes_warm": ratio(_median(results, "unet-fp32", "warm"), _median(results, "unet-fp16", "warm")),
+        "unet_conv_first": cases.get("unet-fp32-as-fp16", {}).get("ratios", {}).get("first_over_plain"),
+        "unet_fp16_first": cases.get("unet-fp16", {}).get("ratios", {}).get("first_over_plain"),
+        "pss": (results.get("pss") or {}).get("ratio"),
+        "pipe_conv_warm": cases.get("pipeline-fp32-as-fp16", {}).get("ratios", {}).get("warm_over_plain"),
+        "pipe_fp16_warm": cases.get("pipeline-fp16", {}).get("ratios", {}).get("warm_over_plain"),
+    }
+    checks = [c.get("check") for c in cases.values()] + [
+        (results.get("pss") or {}).get("check")]
+    checks = [c for c in checks if c is not None]
+    values["correct"] = (1.0 if checks and all(c.get("passed") for c in checks) else 0.0) if checks else None
+    out = []
+    for tid, description, limit in TARGETS:
+        value = values.get(tid)
+        if tid == "correct":
+            passed = None if value is None else value == 1.0
+        else:
+            passed = None if value is None else value <= limit
+        out.append({"id": tid, "description": description, "value": value, "limit": limit,
+                    "passed": passed})
+    return out
+
+
+# -- files ------------------------------------------------------------------------------
+def write_json(results: dict[str, Any], path: Path) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(results, indent=2, sort_keys=False, default=str) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+def _s(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value < 1:
+        return f"{value * 1000:.0f} ms" if value >= 0.0095 else f"{value * 1000:.1f} ms"
+    return f"{value:.2f} s"
+
+
+def _x(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _gb(n: float | None) -> str:
+    if n is None:
+        return "-"
+    if n >= 1e9:
+        return f"{n / 1e9:.2f} GB"
+    return f"{n / 1e6:.1f} MB"
+
+
+def _mode_cell(case: dict[str, Any], mode: str) -> str:
+    st = case.get("stats", {}).get(mode, {})
+    s = st.get("load")
+    text = "-" if s is None else f"{_s(s['median'])} ({_s(s['min'])}–{_s(s['max'])})"
+    problems = []
+    if st.get("failed"):
+        problems.append(f"{st['failed']} failed")
+    if st.get("unexpected_outcome"):
+        problems.append("outcome " + "/".join(st["unexpected_outcome"]))
+    return text + (f" ⚠ {', '.join(problems)}" if problems else "")
+
+
+def write_markdown(results: dict[str, Any], path: Path) -> None:
+    meta = results.get("meta", {})
+    lines: list[str] = ["# overmind-lab bench", ""]
+    lines.append(
+        f"{meta.get('started_iso', '')} · {meta.get('cpus')} CPUs, {_gb(meta.get('memory_total_bytes'))} RAM · "
+        f"Python {meta.get('python')} · torch {meta.get('torch')} · overmind-lab {meta.get('overmind_lab')} · "
+        f"{meta.get('repeat')} runs per mode · total {meta.get('duration_seconds', 0):.0f} s · "
+        f"load average {_load(meta.get('loadavg_start'))} at start, {_load(meta.get('loadavg_end'))} at end"
+    )
+    if meta.get("quick"):
+        lines += ["", "**Quick run on tiny models (for tests): the ratios below say nothing about "
+                      "real models; the targets apply to a full run.**"]
+    lines += ["", "## Targets (issues 2 and 3)", "",
+              "| target | measured | limit | |", "| --- | ---: | ---: | :---: |"]
+    for t in results.get("targets", []):
+        if t["id"] == "correct":
+            measured = "-" if t["value"] is None else ("all equal" if t["value"] == 1.0 else "MISMATCH")
+            limit = "equal"
+        else:
+            measured, limit = _x(t["value"], 4), f"≤ {t['limit']:g}"
+        mark = "n/a" if t["passed"] is None else ("pass" if t["passed"] else "**FAIL**")
+        lines.append(f"| {t['description']} | {measured} | {limit} | {mark} |")
+
+    lines += ["", "## Load call alone (fresh process each, page cache warm)", "",
+              "Median (min–max) of the load call; imports are timed separately. "
+              "*first*: `overmind_lab.load(...)` with the entry evicted (loads and stores); "
+              "*warm*: the same call in a new process. *touch*: first read of every weight page "
+              "after a warm load (not part of the load time).", "",
+              "| case | weights | plain | first | warm | warm/plain | first/plain | touch (warm) | "
+              "imports (warm proc) | check |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"]
+    for name, case in results.get("cases", {}).items():
+        r = case.get("ratios", {})
+        touch = case.get("stats", {}).get("warm", {}).get("touch")
+        imports = case.get("stats", {}).get("warm", {}).get("imports")
+        check = case.get("check")
+        check_text = "-" if check is None else ("pass" if check.get("passed") else "**FAIL**")
+        lines.append(
+            f"| {case.get('title', name)} | {_gb(case.get('weight_bytes'))} | {_mode_cell(case, 'plain')} | "
+            f"{_mode_cell(case, 'first')} | {_mode_cell(case, 'warm')} | {_x(r.get('warm_over_plain'), 4)} | "
+            f"{_x(r.get('first_over_plain'), 2)} | {_s(touch['median']) if touch else '-'} | "
+            f"{_s(imports['median']) if imports else '-'} | {check_text} |")
+    failures = [(n, c["check"]) for n, c in results.get("cases", {}).items()
+                if c.get("check") and not c["check"].get("passed")]
+    for name, check in failures:
+        lines.append("")
+        lines.append(f"Check failures for {name}: " + "; ".join(check.get("failures", [])[:5]))
+
+    pss = results.get("pss")
+    if pss:
+        n = pss.get("holders", 4)
+        lines += ["", f"## Memory: PSS of {n} processes holding the UNet (fp32 stored, loaded fp16, "
+                      "every weight read)", ""]
+        if pss.get("error"):
+            lines.append(f"Not measured: {pss['error']}")
+        else:
+            lines += [
+                "| | summed PSS | per process |", "| --- | ---: | ---: |",
+                f"| runtime only (torch + diffusers imported, nothing loaded), {n} processes | "
+                f"{_gb(pss.get('runtime_sum_bytes'))} | {_gb(_div(pss.get('runtime_sum_bytes'), pss.get('holders')))} |",
+                f"| {n} warm holders (from the cache) | {_gb(pss.get('warm_sum_bytes'))} | "
+                f"{_gb(_div(pss.get('warm_sum_bytes'), pss.get('holders')))} |",
+                f"| {n} plain holders (`from_pretrained`) | {_gb(pss.get('plain_sum_bytes'))} | "
+                f"{_gb(_div(pss.get('plain_sum_bytes'), pss.get('holders')))} |",
+                "",
+                f"One copy of the weights: {_gb(pss.get('one_copy_bytes'))}; one process's runtime "
+                f"alone: {_gb(pss.get('runtime_single_bytes'))}.",
+                "",
+                f"- warm: summed PSS / (one copy + the {n} processes' runtime) = **{_x(pss.get('ratio'))}** "
+                f"(target ≤ 1.2); with {n} × one process's runtime alone as the denominator: "
+                f"{_x(pss.get('ratio_single_runtime'))}",
+                f"- plain: summed PSS / (one copy + runtime) = {_x(pss.get('plain_ratio'))} "
+                f"({n} copies of the weights)",
+            ]
+            if pss.get("check"):
+                lines.append(f"- warm holders' weights equal a plain load: "
+                             f"{'pass' if pss['check'].get('passed') else 'FAIL'}")
+
+    kr = results.get("kernel_restart")
+    if kr:
+        lines += ["", "## Jupyter kernel restart (ipykernel through jupyter_client)", ""]
+        if kr.get("skipped"):
+            lines.append(f"Skipped: {kr.get('note')}")
+        elif kr.get("error"):
+            lines.append(f"Failed: {kr['error']}")
+        else:
+            lines += ["Cell: `%load_ext overmind_lab`, `%overmind_load`, imports, "
+                      "`StableDiffusionPipeline.from_pretrained(..., torch_dtype=torch.float16)` "
+                      "(fp32 stored).", "",
+                      "| run | cell (imports included) | load statement |", "| --- | ---: | ---: |"]
+            for key, label in (("plain", "plain cell, no overmind-lab"),
+                               ("cold", "first run, cache empty"),
+                               ("warm", "after a kernel restart")):
+                run = kr.get(key, {})
+                lines.append(f"| {label} | {_s(run.get('cell_seconds'))} | {_s(run.get('load_seconds'))} |")
+            ratios = kr.get("ratios", {})
+            lines += ["", f"Warm cell / plain cell: {_x(ratios.get('warm_cell_over_plain_cell'))}; "
+                          f"warm load / plain load: {_x(ratios.get('warm_load_over_plain_load'), 4)}; "
+                          f"warm run served by the cache (daemon hit counter): "
+                          f"{'yes' if kr.get('warm_from_cache') else 'NO'}."]
+
+    if results.get("errors"):
+        lines += ["", "## Errors", ""] + [f"- {e}" for e in results["errors"]]
+    lines += ["", "## Method", "",
+              "Each measurement is a new `python -m overmind_lab.bench._child` process; model files "
+              "are read once before each case so the page cache is warm. A process imports torch, "
+              "the library and (for cached loads) overmind-lab, then waits; up to "
+              f"{meta.get('batch', 2)} processes import at once, but their timed loads run one at a "
+              "time with nothing else running, and each exits before the next starts. "
+              f"Daemon: {'a private one on a temporary socket' if meta.get('private_daemon') else meta.get('socket')}. "
+              "Models: random weights with the real Stable Diffusion 1.5 architectures "
+              "(`overmind_lab._models`).", ""]
+    path.write_text("\n".join(lines), encoding="utf-8")
+
+
+def _load(values: list[float] | None) -> str:
+    return "-" if not values else f"{values[0]:.1f}"
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def write_png(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = results.get("cases", {})
+    pss = results.get("pss") or {}
+    kr = results.get("kernel_restart") or {}
+    has_pss = bool(pss) and not pss.get("error")
+    has_kr = bool(kr) and not kr.get("skipped") and not kr.get("error")
+    ncols = 1 + int(has_pss) + int(has_kr)
+    ratios = [3.2] + [1.0] * (ncols - 1)
+    fig, axes = plt.subplots(1, ncols, figsize=(7.5 + 3.2 * (ncols - 1), 5.2),
+                             gridspec_kw={"width_ratios": ratios}, squeeze=False)
+    ax = axes[0][0]
+    colors = {"plain": "#8c8c8c", "first": "#e0a030", "warm": "#2a7fd4"}
+    names = list(cases)
+    width = 0.26
+    for k, mode in enumerate(MODES):
+        xs, ys, lo, hi = [], [], [], []
+        for i, name in enumerate(names):
+            s = cases[name].get("stats", {}).get(mode, {}).get("load")
+            if s is None:
+                continue
+            xs.append(i + (k - 1) * width)
+            ys.append(s["median"])
+            lo.append(s["median"] - s["min"])
+            hi.append(s["max"] - s["median"])
+        bars = ax.bar(xs, ys, width, label=mode, color=colors[mode], yerr=[lo, hi], capsize=2,
+                      error_kw={"elinewidth": 0.8})
+        for bar, y, up in zip(bars, ys, hi):
+            ax.annotate(_s(y), (bar.get_x() + bar.get_width() / 2, y + up), xytext=(0, 3),
+                        textcoords="offset points", ha="center", va="bottom", fontsize=6, rotation=90)
+    ax.set_yscale("log")
+    lo_y, hi_y = ax.get_ylim()
+    ax.set_ylim(lo_y, hi_y * 4)  # room for the labels above the bars
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels([f"{cases[n].get('title', n)}\nwarm/plain {_x(cases[n].get('ratios', {}).get('warm_over_plain'), 3)}"
+                        for n in names], fontsize=7, rotation=20, ha="right")
+    ax.set_ylabel("load call, seconds (log scale)")
+    title = "overmind-lab: load time per fresh process (median, min–max)"
+    if results.get("meta", {}).get("quick"):
+        title += " — QUICK (tiny models)"
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", which="both", alpha=0.25)
+    col = 1
+    if has_pss:
+        ax2 = axes[0][col]
+        col += 1
+        labels = ["runtime\nonly", "warm\n(cache)", "plain"]
+        values = [pss.get("runtime_sum_bytes") or 0, pss.get("warm_sum_bytes") or 0,
+                  pss.get("plain_sum_bytes") or 0]
+        ax2.bar(labels, [v / 1e9 for v in values], color=["#bbbbbb", colors["warm"], colors["plain"]])
+        ref = ((pss.get("one_copy_bytes") or 0) + (pss.get("runtime_sum_bytes") or 0)) / 1e9
+        ax2.axhline(ref, color="k", ls="--", lw=0.8)
+        ax2.axhline(ref * 1.2, color="r", ls=":", lw=0.8)
+        ax2.annotate("one copy + runtime", (0.02, ref), xycoords=("axes fraction", "data"),
+                     fontsize=6, va="bottom")
+        ax2.annotate("× 1.2 target", (0.02, ref * 1.2), xycoords=("axes fraction", "data"),
+                     fontsize=6, va="bottom", color="r")
+        n = pss.get("holders", 4)
+        ax2.set_ylabel(f"summed PSS of {n} processes, GB")
+        ax2.set_title(f"UNet held by {n} processes\nwarm ratio {_x(pss.get('ratio'))}", fontsize=9)
+    if has_kr:
+        ax3 = axes[0][col]
+        labels = ["plain", "cold", "warm"]
+        cells = [kr.get(k, {}).get("cell_seconds") or 0 for k in labels]
+        loads = [kr.get(k, {}).get("load_seconds") or 0 for k in labels]
+        positions = range(len(labels))
+        ax3.bar([x - 0.2 for x in positions], cells, 0.4, label="cell", color="#bbbbbb")
+        ax3.bar([x + 0.2 for x in positions], loads, 0.4, label="load statement", color=colors["warm"])
+        ax3.set_xticks(list(positions))
+        ax3.set_xticklabels(labels)
+        ax3.set_ylabel("seconds")
+        ax3.set_title("kernel restart: load cell", fontsize=9)
+        ax3.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)

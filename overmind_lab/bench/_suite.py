@@ -1,0 +1,422 @@
+"""The benchmark run: build models, start the daemon, run the cases, write the reports.
+
+This process never imports torch: models are built and every measurement is made in
+child processes; this one only drives them, talks to the daemon and reads ``/proc``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import shutil
+import sys
+import time
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from overmind_lab.bench import _cases, _report
+from overmind_lab.bench._cases import CASES, KERNEL_CASE, PSS_CASE, Case
+from overmind_lab.bench._memory import meminfo, read_smaps_rollup, warm_page_cache
+from overmind_lab.bench._runner import (
+    Child,
+    ChildError,
+    Timeouts,
+    child_env,
+    run_sequence,
+)
+from overmind_lab.bench._service import Daemon
+
+__all__ = ["run_bench"]
+
+#: Processes holding the UNet at once in the PSS measurement (2 with --quick, to save time).
+HOLDERS = 4
+QUICK_HOLDERS = 2
+
+
+class Progress:
+    """``[bench mm:ss] message`` lines on stderr."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+
+    def __call__(self, message: str) -> None:
+        elapsed = int(time.monotonic() - self.t0)
+        print(f"[bench {elapsed // 60:02d}:{elapsed % 60:02d}] {message}", file=sys.stderr, flush=True)
+
+
+def _fmt_s(value: Any) -> str:
+    if not isinstance(value, (int, float)):
+        return "-"
+    return f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.quick = bool(args.quick)
+        self.repeat = max(1, args.repeat if args.repeat is not None else (2 if self.quick else 5))
+        self.out = Path(args.out).expanduser().absolute()
+        self.models_dir = Path(args.models_dir).expanduser().absolute()
+        self.logs = self.out / "logs"
+        self.batch = max(1, int(args.batch))
+        load_timeout = args.timeout if args.timeout else (180.0 if self.quick else 900.0)
+        self.timeouts = Timeouts(ready=180.0 if self.quick else 300.0, load=load_timeout, exit=60.0)
+        self.progress = Progress()
+        self.dirs = _cases.model_dirs(self.models_dir, self.quick)
+        self.holders = QUICK_HOLDERS if self.quick else HOLDERS
+        self.daemon: Daemon | None = None
+        self.env: dict[str, str] = {}
+        self.results: dict[str, Any] = {"meta": {}, "models": {}, "cases": {}, "errors": []}
+
+    # -- helpers --------------------------------------------------------------------------
+    def error(self, message: str) -> None:
+        self.results["errors"].append(message)
+        self.progress(f"ERROR {message}")
+
+    def checkpoint(self) -> None:
+        """Write what is known so far (a crash or ^C still leaves results.json)."""
+        with contextlib.suppress(OSError):
+            _report.write_json(self.results, self.out / "results.json")
+
+    def evict_all(self) -> None:
+        assert self.daemon is not None
+        self.daemon.evict_all()
+
+    def job(self, case: Case, mode: str, **extra: Any) -> dict[str, Any]:
+        return {"mode": mode, "loader": case.loader, "path": str(case.path(self.dirs)),
+                "dtype": case.dtype, **extra}
+
+    # -- load cases -----------------------------------------------------------------------
+    def run_case(self, case: Case) -> dict[str, Any]:
+        path = case.path(self.dirs)
+        self.progress(f"{case.name}: {case.title} — reading {path} into the page cache")
+        file_bytes = warm_page_cache([path])
+        self.evict_all()
+        # rounds of plain, first, warm (interleaved against drift); the last warm process
+        # also checks its object against a plain load (after its timing)
+        jobs: list[dict[str, Any]] = []
+        for i in range(self.repeat):
+            jobs.append(self.job(case, "plain"))
+            jobs.append(self.job(case, "first"))
+            jobs.append(self.job(case, "warm", check=(i == self.repeat - 1)))
+        counters = {"plain": 0, "first": 0, "warm": 0}
+
+        def before_go(i: int) -> None:
+            if jobs[i]["mode"] == "first":
+                self.evict_all()
+
+        def on_result(i: int, rec: dict[str, Any]) -> None:
+            mode = jobs[i]["mode"]
+            counters[mode] += 1
+            head = f"{case.name}: {mode} {counters[mode]}/{self.repeat}"
+            if "error" in rec:
+                self.error(f"{head}: {rec['error'].splitlines()[0] if rec['error'] else rec['error']}")
+                self.progress(f"{head}: see {self.logs}")
+                return
+            extra = ""
+            if mode != "plain":
+                extra = f", outcome {rec.get('outcome')}"
+                expected = "cold" if mode == "first" else "warm"
+                if rec.get("outcome") != expected:
+                    extra += f" (expected {expected}: {rec.get('load_event', {}).get('reason')})"
+            if rec.get("check") is not None:
+                extra += f", check {'pass' if rec['check'].get('passed') else 'FAIL'}"
+            self.progress(f"{head}: load {_fmt_s(rec.get('load_seconds'))} "
+                          f"(imports {_fmt_s(rec.get('import_seconds'))}, first touch "
+                          f"{_fmt_s(rec.get('touch_seconds'))}{extra})")
+
+        records = run_sequence(jobs, env=self.env, log_dir=self.logs, label=case.name,
+                               timeouts=self.timeouts, batch=self.batch,
+                               before_go=before_go, on_result=on_result)
+        runs: dict[str, list[dict[str, Any]]] = {"plain": [], "first": [], "warm": []}
+        for job, rec in zip(jobs, records):
+            runs[job["mode"]].append(rec)
+        check = next((r.get("check") for r in reversed(runs["warm"]) if r.get("check")), None)
+        if check is None:
+            self.error(f"{case.name}: the correctness check did not run")
+        elif not check.get("passed"):
+            self.error(f"{case.name}: warm object differs from a plain load: "
+                       + "; ".join(check.get("failures", [])[:3]))
+        entry = None
+        keys = {r.get("cache_key") for r in runs["warm"] if r.get("cache_key")}
+        with contextlib.suppress(Exception):
+            for e in self.daemon.client().entries():  # type: ignore[union-attr]
+                if e.get("key") in keys:
+                    entry = {k: e.get(k) for k in ("key", "name", "bytes", "shared_bytes", "tensors",
+                                                    "hits", "cold_seconds", "store_seconds",
+                                                    "warm_seconds")}
+        weight_bytes = next((r.get("storage_bytes") for r in runs["plain"] if r.get("storage_bytes")), None)
+        result: dict[str, Any] = {
+            "title": case.title, "path": str(path), "loader": case.loader, "stored_dtype": case.stored,
+            "load_dtype": case.dtype, "file_bytes": file_bytes, "weight_bytes": weight_bytes,
+            "tensors": next((r.get("tensors") for r in runs["plain"] if r.get("tensors")), None),
+            "runs": runs, "check": check, "entry": entry,
+        }
+        _report.summarize(result)
+        r = result["ratios"]
+        self.progress(f"{case.name}: median plain {_fmt_s(result['stats']['plain']['load'] and result['stats']['plain']['load']['median'])}, "
+                      f"first {_fmt_s(result['stats']['first']['load'] and result['stats']['first']['load']['median'])}, "
+                      f"warm {_fmt_s(result['stats']['warm']['load'] and result['stats']['warm']['load']['median'])}; "
+                      f"warm/plain {r['warm_over_plain'] and round(r['warm_over_plain'], 4)}, "
+                      f"first/plain {r['first_over_plain'] and round(r['first_over_plain'], 2)}")
+        return result
+
+    # -- PSS --------------------------------------------------------------------------------
+    def _hold(self, jobs: list[dict[str, Any]], label: str) -> tuple[list[Child], list[dict[str, Any]]]:
+        """Start processes that load and then hold; returns them once all hold."""
+        children = [Child(job, self.env, self.logs / f"{label}-{i + 1}.log", self.timeouts).start()
+                    for i, job in enumerate(jobs)]
+        held: list[dict[str, Any]] = []
+        try:
+            readies = [c.expect("ready", self.timeouts.ready) for c in children]
+            for i, (child, ready) in enumerate(zip(children, readies)):
+                child.send("go")
+                msg = child.expect("holding", self.timeouts.load)
+                held.append({**ready, **msg})
+                self.progress(f"pss: {label} {i + 1}/{len(children)} holding "
+                              f"(load {_fmt_s(msg.get('load_seconds'))}, outcome {msg.get('outcome', '-')})")
+        except BaseException:
+            for c in children:
+                c.kill()
+                c.finish()
+            raise
+        return children, held
+
+    def _release(self, children: list[Child]) -> None:
+        for c in children:
+            with contextlib.suppress(ChildError):
+                c.send("exit")
+        for c in children:
+            with contextlib.suppress(ChildError):
+                c.expect("result", 30)
+            c.finish()
+
+    @staticmethod
+    def _pss_of(children: list[Child]) -> list[dict[str, int]]:
+        return [read_smaps_rollup(c.pid) for c in children]
+
+    def run_pss(self) -> dict[str, Any]:
+        case = next(c for c in CASES if c.name == PSS_CASE)
+        path = case.path(self.dirs)
+        n = self.holders
+        self.progress(f"pss: {n} processes holding {case.title} ({path})")
+        warm_page_cache([path])
+        self.evict_all()
+        out: dict[str, Any] = {"case": case.name, "path": str(path), "holders": n}
+        # the runtime: processes with everything imported and nothing loaded
+        idle = self.job(case, "idle", import_overmind=True)
+        first, _ = self._hold([idle], "pss-runtime-alone")
+        out["runtime_single"] = read_smaps_rollup(first[0].pid)
+        out["runtime_single_bytes"] = out["runtime_single"].get("Pss")
+        self._release(first)
+        idlers, _ = self._hold([idle] * n, "pss-runtime")
+        out["runtime"] = self._pss_of(idlers)
+        self._release(idlers)
+        out["runtime_sum_bytes"] = sum(p.get("Pss", 0) for p in out["runtime"])
+        self.progress(f"pss: runtime {out['runtime_single_bytes'] / 1e6:.0f} MB alone, "
+                      f"{out['runtime_sum_bytes'] / 1e6:.0f} MB for {n} processes")
+        # warm holders: one process stores the entry, then 4 load it warm and read every weight
+        primer = run_sequence([self.job(case, "first")], env=self.env, log_dir=self.logs,
+                              label="pss-store", timeouts=self.timeouts)[0]
+        if "error" in primer:
+            raise RuntimeError(f"storing the UNet failed: {primer['error']}")
+        holders, held = self._hold([self.job(case, "warm", hold=True)] * n, "pss-warm")
+        try:
+            out["warm"] = self._pss_of(holders)
+            daemon_pid = self.daemon.pid() if self.daemon else None
+            out["daemon"] = read_smaps_rollup(daemon_pid) if daemon_pid else None
+        finally:
+            self._release(holders)
+        out["warm_outcomes"] = [h.get("outcome") for h in held]
+        out["warm_sum_bytes"] = sum(p.get("Pss", 0) for p in out["warm"])
+        out["one_copy_bytes"] = held[0].get("storage_bytes")
+        checksums = {h.get("checksum") for h in held}
+        self.evict_all()
+        plain_holders, plain_held = self._hold([self.job(case, "plain", hold=True)] * n, "pss-plain")
+        try:
+            out["plain"] = self._pss_of(plain_holders)
+        finally:
+            self._release(plain_holders)
+        out["plain_sum_bytes"] = sum(p.get("Pss", 0) for p in out["plain"])
+        # where the memory is: anonymous (heap, converted tensors), file (libraries, mapped
+        # safetensors; shared with any other process on the machine), shmem (the cache)
+        out["breakdown"] = {
+            group: {field: sum(p.get(field, 0) for p in out[group])
+                    for field in ("Pss", "Pss_Anon", "Pss_File", "Pss_Shmem", "Rss")}
+            for group in ("runtime", "warm", "plain")
+        }
+        checksums |= {h.get("checksum") for h in plain_held}
+        out["checksums_equal"] = len(checksums) == 1
+        one = out["one_copy_bytes"] or 0
+        out["ratio"] = out["warm_sum_bytes"] / (one + out["runtime_sum_bytes"])
+        out["ratio_single_runtime"] = out["warm_sum_bytes"] / (one + n * (out["runtime_single_bytes"] or 0))
+        out["plain_ratio"] = out["plain_sum_bytes"] / (one + out["runtime_sum_bytes"])
+        if any(o != "warm" for o in out["warm_outcomes"]):
+            self.error(f"pss: the holders' loads were {out['warm_outcomes']}, expected all warm")
+        if not out["checksums_equal"]:
+            self.error("pss: warm and plain holders summed to different weights")
+        self.progress(f"pss: warm {out['warm_sum_bytes'] / 1e9:.2f} GB, plain {out['plain_sum_bytes'] / 1e9:.2f} GB, "
+                      f"one copy {one / 1e9:.2f} GB; ratio {out['ratio']:.3f} (target <= 1.2)")
+        return out
+
+    # -- kernel restart ----------------------------------------------------------------------
+    def run_kernel(self) -> dict[str, Any]:
+        from overmind_lab.bench._kernel import run_kernel_restart
+
+        case = next(c for c in CASES if c.name == KERNEL_CASE)
+        path = case.path(self.dirs)
+        self.progress(f"kernel-restart: {case.title} in a real ipykernel ({path})")
+        warm_page_cache([path])
+        assert self.daemon is not None
+        return run_kernel_restart(path, case.dtype, self.env, self.evict_all,
+                                  lambda: self.daemon.client().entries(),  # type: ignore[union-attr]
+                                  self.progress, timeout=self.timeouts.load,
+                                  log_path=self.logs / "kernel.log")
+
+    # -- the run ----------------------------------------------------------------------------
+    def run(self) -> int:
+        try:
+            names = _cases.select(self.args.only)
+        except ValueError as exc:
+            print(f"overmind-lab bench: {exc}", file=sys.stderr)
+            return 2
+        self.out.mkdir(parents=True, exist_ok=True)
+        if self.logs.exists():
+            shutil.rmtree(self.logs, ignore_errors=True)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        started = time.time()
+        mem = meminfo()
+        from overmind_lab import __version__
+
+        self.results["meta"] = {
+            "started": started,
+            "started_iso": datetime.fromtimestamp(started, timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "quick": self.quick, "repeat": self.repeat, "batch": self.batch, "cases": names,
+            "models_dir": str(self.models_dir), "out": str(self.out),
+            "python": platform.python_version(), "platform": platform.platform(),
+            "cpus": os.cpu_count(), "memory_total_bytes": mem.get("MemTotal"),
+            "torch": _version("torch"), "diffusers": _version("diffusers"),
+            "transformers": _version("transformers"), "overmind_lab": __version__,
+            "argv": sys.argv, "loadavg_start": _loadavg(),
+        }
+        self.progress(f"overmind-lab bench{' --quick' if self.quick else ''}: {len(names)} cases, "
+                      f"{self.repeat} runs per mode; results in {self.out}")
+        needed = _cases.needed_models(names)
+        self.progress(f"models: building (once) {', '.join(str(self.dirs[k]) for k in needed)}")
+        try:
+            self.results["models"] = _cases.build_models(self.dirs, needed, self.quick,
+                                                         timeout=3600.0)
+        except Exception as exc:  # noqa: BLE001
+            self.error(f"models: {exc}")
+            self.checkpoint()
+            return 1
+        for key, info in self.results["models"].items():
+            how = "reused" if info.get("reused") else f"built in {info['seconds']:.0f} s"
+            self.progress(f"models: {key}: {info['path']} ({(info.get('bytes') or 0) / 1e9:.2f} GB, {how})")
+
+        self.daemon = Daemon(self.args.socket, self.logs / "daemon.log", budget=self.args.budget)
+        try:
+            status = self.daemon.start()
+            self.results["meta"].update(socket=self.daemon.socket, private_daemon=self.daemon.private,
+                                        daemon_pid=status.get("pid"),
+                                        daemon_budget_bytes=status.get("budget_bytes"),
+                                        daemon_version=status.get("version"))
+            self.progress(f"daemon: {'private' if self.daemon.private else 'existing'} on {self.daemon.socket} "
+                          f"(pid {status.get('pid')})")
+            self.env = child_env(self.daemon.socket)
+            for name in names:
+                case = next((c for c in CASES if c.name == name), None)
+                if case is None:
+                    continue
+                try:
+                    self.results["cases"][name] = self.run_case(case)
+                except Exception as exc:  # noqa: BLE001
+                    self.error(f"{name}: {type(exc).__name__}: {exc}")
+                with contextlib.suppress(Exception):
+                    self.evict_all()
+                self.checkpoint()
+            if "pss" in names:
+                try:
+                    self.results["pss"] = self.run_pss()
+                except Exception as exc:  # noqa: BLE001
+                    self.results["pss"] = {"error": f"{type(exc).__name__}: {exc}"}
+                    self.error(f"pss: {exc}")
+                with contextlib.suppress(Exception):
+                    self.evict_all()
+                self.checkpoint()
+            if "kernel-restart" in names:
+                kr = self.run_kernel()
+                self.results["kernel_restart"] = kr
+                if kr.get("error"):
+                    self.error(f"kernel-restart: {kr['error']}")
+                elif kr.get("skipped"):
+                    self.progress(f"kernel-restart: skipped: {kr.get('note')}")
+                else:
+                    self.progress(f"kernel-restart: cell plain {_fmt_s(kr['plain']['cell_seconds'])}, "
+                                  f"cold {_fmt_s(kr['cold']['cell_seconds'])}, warm "
+                                  f"{_fmt_s(kr['warm']['cell_seconds'])} (load statement "
+                                  f"{_fmt_s(kr['plain'].get('load_seconds'))} -> "
+                                  f"{_fmt_s(kr['warm'].get('load_seconds'))})")
+                    if not kr.get("warm_from_cache"):
+                        self.error("kernel-restart: the load after the restart was not a cache hit")
+                with contextlib.suppress(Exception):
+                    self.evict_all()
+        except KeyboardInterrupt:
+            self.error("interrupted")
+        except Exception as exc:  # noqa: BLE001
+            self.error(f"{type(exc).__name__}: {exc}")
+        finally:
+            self.daemon.stop()
+
+        self.results["meta"]["loadavg_end"] = _loadavg()
+        self.results["meta"]["finished"] = time.time()
+        self.results["meta"]["duration_seconds"] = time.time() - started
+        self.results["targets"] = _report.evaluate_targets(self.results)
+        _report.write_json(self.results, self.out / "results.json")
+        _report.write_markdown(self.results, self.out / "results.md")
+        try:
+            _report.write_png(self.results, self.out / "results.png")
+        except Exception as exc:  # noqa: BLE001
+            self.error(f"results.png: {exc}")
+            _report.write_json(self.results, self.out / "results.json")
+        self._print_summary()
+        return 1 if self.results["errors"] else 0
+
+    def _print_summary(self) -> None:
+        lines = [f"overmind-lab bench{' (quick: tiny models, ratios not meaningful)' if self.quick else ''}"
+                 f" — {self.results['meta']['duration_seconds']:.0f} s"]
+        for t in self.results["targets"]:
+            if t["value"] is None:
+                continue
+            if t["id"] == "correct":
+                lines.append(f"  {'pass' if t['passed'] else 'FAIL'}  {t['description']}")
+            else:
+                lines.append(f"  {'pass' if t['passed'] else 'FAIL'}  {t['description']}: "
+                             f"{t['value']:.4f} (<= {t['limit']:g})")
+        for name in ("results.md", "results.json", "results.png"):
+            lines.append(f"  {self.out / name}")
+        if self.results["errors"]:
+            lines.append(f"  {len(self.results['errors'])} error(s); see results.md and {self.logs}")
+        print("\n".join(lines), flush=True)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    return Bench(args).run()

@@ -1,0 +1,156 @@
+"""``overmind-lab bench``: option parsing, and a quick end-to-end run on tiny models.
+
+The end-to-end run is the real thing at small scale: real child processes timing real
+``from_pretrained`` calls against a private daemon it starts and stops, a PSS measurement,
+and the Jupyter kernel-restart loop. On tiny models the ratios mean nothing, so only the
+structure and the correctness verdicts are asserted, not the targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from overmind_lab import bench
+from overmind_lab.bench import _cases, _report
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: Cases of the end-to-end run: one diffusers model, the transformers model, a whole
+#: pipeline (fp32 files loaded as fp16), the PSS measurement and the kernel restart
+#: (all cases at once take longer than a test should on 2 cores).
+E2E_CASES = "unet-fp16,text-encoder,pipeline-fp32-as-fp16,pss,kernel-restart"
+
+
+def test_add_parser_registers_bench() -> None:
+    parser = argparse.ArgumentParser(prog="overmind-lab")
+    sub = parser.add_subparsers(dest="command")
+    bench.add_parser(sub)
+    args = parser.parse_args(["bench", "--quick", "--only", "unet-fp16,pss", "--only", "vae"])
+    assert args.func is bench.run
+    assert args.quick and args.repeat is None and args.socket is None
+    assert args.models_dir == bench.DEFAULT_MODELS_DIR and args.out == bench.DEFAULT_OUT
+    assert _cases.select(args.only) == ["unet-fp16", "vae", "pss"]
+    args = parser.parse_args(["bench", "--repeat", "3", "--socket", "/tmp/x.sock"])
+    assert args.repeat == 3 and args.socket == "/tmp/x.sock" and not args.quick
+
+
+def test_select_cases() -> None:
+    assert _cases.select(None) == _cases.ALL_NAMES
+    assert _cases.select(["unet"]) == ["unet-fp16", "unet-fp32-as-fp16", "unet-fp32"]
+    with pytest.raises(ValueError, match="unknown case"):
+        _cases.select(["nope"])
+
+
+def test_cli_rejects_unknown_case(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "overmind_lab", "bench", "--only", "nope", "--out", str(tmp_path / "o"),
+         "--models-dir", str(tmp_path / "m")],
+        capture_output=True, text=True, timeout=120, cwd=REPO, check=False)
+    assert proc.returncode == 2
+    assert "unknown case" in proc.stderr
+    assert not (tmp_path / "m").exists()
+
+
+def test_targets_are_evaluated() -> None:
+    case = {"runs": {
+        "plain": [{"load_seconds": 1.0, "outcome": "plain", "import_seconds": 5.0}] * 3,
+        "first": [{"load_seconds": 2.0, "outcome": "cold"}] * 3,
+        "warm": [{"load_seconds": 0.05, "outcome": "warm"}, {"load_seconds": 0.07, "outcome": "warm"},
+                 {"error": "boom"}],
+    }}
+    _report.summarize(case)
+    assert case["stats"]["warm"]["load"]["median"] == pytest.approx(0.06)
+    assert case["stats"]["warm"]["failed"] == 1
+    assert case["ratios"]["warm_over_plain"] == pytest.approx(0.06)
+    assert case["ratios"]["first_over_plain"] == pytest.approx(2.0)
+    targets = {t["id"]: t for t in _report.evaluate_targets({"cases": {"unet-fp16": case}})}
+    assert targets["unet_fp16_warm"]["passed"] is True
+    assert targets["unet_fp16_first"]["passed"] is True
+    assert targets["pss"]["value"] is None and targets["pss"]["passed"] is None
+
+
+@pytest.mark.timeout(1200)
+def test_quick_bench_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    models = tmp_path / "models"
+    # the benchmark must never touch the user's daemon: point the default socket at a
+    # path nobody listens on and check nothing appeared there
+    user_socket = tmp_path / "user-run" / "daemon.sock"
+    env = dict(os.environ, OVERMIND_LAB_SOCKET=str(user_socket))
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "overmind_lab", "bench", "--quick", "--out", str(out),
+         "--models-dir", str(models), "--only", E2E_CASES],
+        capture_output=True, text=True, timeout=1100, cwd=REPO, check=False, env=env)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-6000:]}"
+    assert "[bench" in proc.stderr  # progress lines
+    assert "models:" in proc.stderr
+
+    results = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    meta = results["meta"]
+    assert meta["quick"] is True and meta["repeat"] == 2 and meta["private_daemon"] is True
+    assert results["errors"] == []
+
+    # the private daemon is gone, and the user's socket was never created
+    assert not os.path.exists(meta["socket"])
+    pid = meta.get("daemon_pid")
+    if pid:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+    assert not user_socket.exists()
+
+    # model directories were built once, with their markers
+    for info in results["models"].values():
+        assert (Path(info["path"]) / ".overmind-built.json").is_file()
+
+    for name in ("unet-fp16", "text-encoder", "pipeline-fp32-as-fp16"):
+        case = results["cases"][name]
+        for mode, outcome in (("plain", "plain"), ("first", "cold"), ("warm", "warm")):
+            runs = case["runs"][mode]
+            assert len(runs) == 2
+            assert all("error" not in r for r in runs), runs
+            assert [r["outcome"] for r in runs] == [outcome] * 2
+            assert all(r["load_seconds"] > 0 and r["import_seconds"] > 0 for r in runs)
+            assert case["stats"][mode]["load"]["n"] == 2
+        assert len({r["pid"] for mode in case["runs"] for r in case["runs"][mode]}) == 6, \
+            "every measurement runs in its own process"
+        assert case["check"]["passed"] is True, case["check"]
+        assert all(case["check"]["checks"].values())
+        assert case["ratios"]["warm_over_plain"] is not None
+        assert case["entry"] is not None and case["entry"]["hits"] >= 1
+
+    assert results["cases"]["pipeline-fp32-as-fp16"]["check"]["components"] >= 5
+
+    pss = results["pss"]
+    assert "error" not in pss, pss
+    assert pss["warm_outcomes"] == ["warm"] * pss["holders"]
+    assert pss["checksums_equal"] is True
+    assert pss["warm_sum_bytes"] > 0 and pss["plain_sum_bytes"] > 0 and pss["runtime_sum_bytes"] > 0
+    assert pss["one_copy_bytes"] > 0 and pss["ratio"] > 0
+
+    kr = results["kernel_restart"]
+    if kr.get("skipped"):
+        assert kr["note"]  # the reason is reported
+    else:
+        assert "error" not in kr, kr
+        assert kr["warm_from_cache"] is True
+        assert kr["warm"]["load_seconds"] > 0 and kr["plain"]["cell_seconds"] > 0
+
+    targets = {t["id"]: t for t in results["targets"]}
+    assert targets["correct"]["passed"] is True
+    assert targets["unet_fp16_warm"]["value"] is not None
+
+    md = (out / "results.md").read_text(encoding="utf-8")
+    assert "| target | measured | limit |" in md
+    assert "UNet fp16 -> fp16" in md and "Quick run on tiny models" in md
+    assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    print(f"quick bench: {elapsed:.0f} s")
