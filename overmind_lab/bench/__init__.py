@@ -67,8 +67,13 @@ def add_parser(subparsers: Any) -> None:
     help_text = "benchmark plain vs cached loads of SD 1.5 models"
     parser = subparsers.add_parser(
         "bench", help=help_text,
-        description=(__doc__ or help_text).split("\n\n")[0].strip(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=("Benchmark plain from_pretrained vs the first and the warm load through "
+                     "the cache, each in fresh processes, on random-weight models with the real "
+                     "Stable Diffusion 1.5 architectures (built once under --models-dir); also "
+                     "the PSS of 4 processes holding the UNet, a correctness check and the "
+                     "Jupyter kernel-restart loop. Writes results.json, results.md and "
+                     "results.png under --out. Uses a private temporary daemon unless --socket "
+                     "is given."),
     )
     add_arguments(parser)
     parser.set_defaults(func=run)
