@@ -127,7 +127,7 @@ def load(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     In-place changes stay private to the process that makes them.
 
     >>> unet = overmind_lab.load(UNet2DConditionModel.from_pretrained,   # doctest: +SKIP
-    ...                          "/models/unet", torch_dtype=torch.float16)
+    ...                          "/models/unet", dtype=torch.float16)
     """
     if _state.depth:  # nested inside a cached load: part of the outer result
         return fn(*args, **kwargs)

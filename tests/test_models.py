@@ -65,7 +65,7 @@ def test_tiny_unet_loads_and_is_idempotent(tmp_path: Path) -> None:
     assert again == path
     assert _mtimes(path) == before, "a second build must not rewrite anything"
 
-    unet = UNet2DConditionModel.from_pretrained(path, torch_dtype=torch.float16)
+    unet = UNet2DConditionModel.from_pretrained(path, dtype=torch.float16)
     assert isinstance(unet, UNet2DConditionModel)
     assert unet.dtype == torch.float16
     assert unet.config.block_out_channels == tuple(_models.UNET_CONFIG_TINY["block_out_channels"]) or list(
@@ -99,7 +99,7 @@ def test_changed_arguments_rebuild(tmp_path: Path) -> None:
     _models.build_vae(tmp_path / "vae", dtype=torch.float32, tiny=True)
     assert _models.read_marker(path)["dtype"] == "float32"  # type: ignore[index]
     assert _stored_dtypes(path) == {"F32"}
-    assert AutoencoderKL.from_pretrained(path, torch_dtype=torch.float32).dtype == torch.float32
+    assert AutoencoderKL.from_pretrained(path, dtype=torch.float32).dtype == torch.float32
 
 
 def test_interrupted_build_is_redone(tmp_path: Path) -> None:
@@ -140,7 +140,7 @@ def test_tiny_text_encoder_and_tokenizer(tmp_path: Path) -> None:
     vocab = json.loads((tok_path / "vocab.json").read_text(encoding="utf-8"))
     assert vocab["<|endoftext|>"] == 49407
 
-    encoder = CLIPTextModel.from_pretrained(te_path, torch_dtype=torch.float32)
+    encoder = CLIPTextModel.from_pretrained(te_path, dtype=torch.float32)
     assert isinstance(encoder, CLIPTextModel)
     with torch.no_grad():
         out = encoder(ids).last_hidden_state
@@ -158,7 +158,7 @@ def test_scheduler_and_controlnet(tmp_path: Path) -> None:
 
     cn_path = _models.build_controlnet(tmp_path / "controlnet", dtype=torch.float16, tiny=True)
     assert _stored_dtypes(cn_path) == {"F16"}
-    controlnet = ControlNetModel.from_pretrained(cn_path, torch_dtype=torch.float16)
+    controlnet = ControlNetModel.from_pretrained(cn_path, dtype=torch.float16)
     assert isinstance(controlnet, ControlNetModel) and controlnet.dtype == torch.float16
     # it fits the tiny UNet (same blocks): usable in a StableDiffusionControlNetPipeline
     assert controlnet.config.block_out_channels == _models.UNET_CONFIG_TINY["block_out_channels"] or list(
@@ -180,7 +180,7 @@ def test_tiny_pipeline_loads_and_runs(tmp_path: Path) -> None:
     assert _models.is_built(path / "unet")
     UNet2DConditionModel.from_pretrained(path / "unet")
 
-    pipe = StableDiffusionPipeline.from_pretrained(path, torch_dtype=torch.float16)
+    pipe = StableDiffusionPipeline.from_pretrained(path, dtype=torch.float16)
     assert pipe.safety_checker is None
     assert pipe.unet.dtype == torch.float16
     assert pipe.text_encoder.dtype == torch.float16

@@ -171,7 +171,7 @@ def _main(job: dict[str, Any]) -> None:
         return
 
     dtype = getattr(torch, job["dtype"])
-    kwargs = {"torch_dtype": dtype}
+    kwargs = {"dtype": dtype}
     outcome = "plain"
     event: dict[str, Any] = {}
     if cached:

@@ -33,7 +33,7 @@ import time, json
 import torch
 from diffusers import StableDiffusionPipeline
 _t = time.perf_counter()
-pipe = StableDiffusionPipeline.from_pretrained({path!r}, torch_dtype=torch.{dtype})
+pipe = StableDiffusionPipeline.from_pretrained({path!r}, dtype=torch.{dtype})
 _load_seconds = time.perf_counter() - _t
 """
 
@@ -44,7 +44,7 @@ import time, json
 import torch
 from diffusers import StableDiffusionPipeline
 _t = time.perf_counter()
-pipe = StableDiffusionPipeline.from_pretrained({path!r}, torch_dtype=torch.{dtype})
+pipe = StableDiffusionPipeline.from_pretrained({path!r}, dtype=torch.{dtype})
 _load_seconds = time.perf_counter() - _t
 """
 

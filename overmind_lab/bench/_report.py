@@ -244,7 +244,7 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
             lines.append(f"Failed: {kr['error']}")
         else:
             lines += ["Cell: `%load_ext overmind_lab`, `%overmind_load`, imports, "
-                      "`StableDiffusionPipeline.from_pretrained(..., torch_dtype=torch.float16)` "
+                      "`StableDiffusionPipeline.from_pretrained(..., dtype=torch.float16)` "
                       "(fp32 stored).", "",
                       "| run | cell (imports included) | load statement |", "| --- | ---: | ---: |"]
             for key, label in (("plain", "plain cell, no overmind-lab"),
