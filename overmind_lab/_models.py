@@ -576,7 +576,7 @@ def _write_text_encoder(config: dict[str, Any], dtype: Any, seed: int, label: st
         with _meta_device():
             model = CLIPTextModel(cfg)
         n = _materialise(model, td, seed)
-        model.eval()
+        model.eval()  # type: ignore[no-untyped-call]
         with contextlib.suppress(Exception):
             model.config.dtype = td
         _log(f"{label}: {n / 1e6:.1f}M parameters initialised as {_dtype_name(td)} in {time.perf_counter() - t0:.1f} s")

@@ -103,7 +103,7 @@ class _Row:
             ", ".join(str(p) for p in holders) if holders else "-",
             state or f"used {format_ago(entry.get('last_used'), now)}",
         ]
-        for cell, value in zip(self.cells, values):
+        for cell, value in zip(self.cells, values, strict=True):
             if cell.value != value:
                 cell.value = value
         self.cells[5].tooltip = str(refresh.get("message") or "")

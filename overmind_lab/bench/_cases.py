@@ -15,6 +15,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 __all__ = ["ALL_NAMES", "CASES", "EXTRA_CASES", "Case", "build_models", "model_dirs", "select"]
 
@@ -117,7 +118,7 @@ print(json.dumps(out))
 """
 
 
-def build_models(dirs: dict[str, Path], keys: list[str], quick: bool, timeout: float) -> dict[str, dict]:
+def build_models(dirs: dict[str, Path], keys: list[str], quick: bool, timeout: float) -> dict[str, dict[str, Any]]:
     """Build (once) the pipeline directories in a child process (progress on stderr)."""
     spec = {"tiny": quick,
             "models": {k: (str(dirs[k]), "float16" if k == "fp16" else "float32") for k in keys}}

@@ -122,8 +122,8 @@ def run_kernel_restart(
     result: dict[str, Any] = {"path": str(path), "dtype": dtype, "skipped": False}
     try:
         import ipykernel  # noqa: F401
-        from jupyter_client import KernelManager
         from jupyter_client.kernelspec import KernelSpecManager
+        from jupyter_client.manager import KernelManager
     except ImportError as exc:
         return {**result, "skipped": True, "note": f"jupyter_client/ipykernel not available: {exc}"}
 

@@ -115,7 +115,7 @@ class Child:
                         self.kill()
                         raise ChildError(f"{msg.get('error')}\n{msg.get('traceback', '')}".strip())
                     if msg.get("event") == event:
-                        return msg
+                        return dict(msg)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self.kill()
