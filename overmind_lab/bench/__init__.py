@@ -11,8 +11,9 @@ It builds (once, kept under ``--models-dir``) random-weight models with the real
 Diffusion 1.5 architectures, then measures in fresh processes, with the page cache warm,
 the load call alone for a plain ``from_pretrained``, the first load through the cache and
 a warm load through the cache; the summed PSS of 4 processes holding the UNet warm vs
-plainly; whether the warm object equals a plain load; and the Jupyter kernel-restart
-loop. Writes ``results.json``, ``results.md`` and ``results.png`` under ``--out``.
+plainly; whether the warm object equals a plain load; the Jupyter kernel-restart
+loop; and ``GET overmind-lab/api/v1/entries`` through a real Jupyter server with 100
+entries (``rest-entries``, target median <= 50 ms). Writes ``results.json``, ``results.md`` and ``results.png`` under ``--out``.
 
 By default a private daemon on a temporary socket is used (and stopped at the end), so
 the user's cache is never disturbed; ``--socket`` uses an existing daemon instead.

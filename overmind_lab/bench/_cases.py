@@ -53,6 +53,8 @@ CASES: list[Case] = [
 EXTRA_CASES = {
     "pss": "PSS of 4 processes holding the UNet (fp32 -> fp16): warm from the cache vs plain",
     "kernel-restart": "Jupyter kernel restart: the pipeline load cell, cold vs warm (ipykernel)",
+    "rest-entries": "GET <base_url>/overmind-lab/api/v1/entries through a real Jupyter server "
+                    "with 100 cache entries (no model needed)",
 }
 ALL_NAMES = [c.name for c in CASES] + list(EXTRA_CASES)
 _GROUPS = {

@@ -38,7 +38,10 @@ TARGETS: list[tuple[str, str, float]] = [
     ("pipe_conv_warm", "warm / plain, pipeline fp32 stored, loaded fp16", 0.1),
     ("pipe_fp16_warm", "warm / plain, pipeline fp16 stored, loaded fp16", 0.25),
     ("correct", "warm object == plain load (type, bytes, requires_grad, mode, dtype, device)", 1.0),
+    ("rest_entries", "GET entries with 100 entries (median, ms)", 50.0),
 ]
+#: Targets whose value and limit are milliseconds (the others are ratios).
+MS_TARGETS = {"rest_entries"}
 
 
 def _stats(values: list[float]) -> dict[str, float | int] | None:
@@ -101,6 +104,7 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         "pss": (results.get("pss") or {}).get("ratio"),
         "pipe_conv_warm": cases.get("pipeline-fp32-as-fp16", {}).get("ratios", {}).get("warm_over_plain"),
         "pipe_fp16_warm": cases.get("pipeline-fp16", {}).get("ratios", {}).get("warm_over_plain"),
+        "rest_entries": _rest_median_ms(results),
     }
     checks = [c.get("check") for c in cases.values()] + [
         (results.get("pss") or {}).get("check")]
@@ -114,8 +118,16 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         else:
             passed = None if value is None else value <= limit
         out.append({"id": tid, "description": description, "value": value, "limit": limit,
-                    "passed": passed})
+                    "unit": "ms" if tid in MS_TARGETS else None, "passed": passed})
     return out
+
+
+def _rest_median_ms(results: dict[str, Any]) -> float | None:
+    rest = results.get("rest_entries") or {}
+    stats = rest.get("stats")
+    if rest.get("error") or not stats or rest.get("entries_seen") != [rest.get("entries")]:
+        return None
+    return float(stats["median"]) * 1000
 
 
 # -- files ------------------------------------------------------------------------------
@@ -175,30 +187,34 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
         if t["id"] == "correct":
             measured = "-" if t["value"] is None else ("all equal" if t["value"] == 1.0 else "MISMATCH")
             limit = "equal"
+        elif t.get("unit") == "ms":
+            measured = "-" if t["value"] is None else f"{t['value']:.1f} ms"
+            limit = f"≤ {t['limit']:g} ms"
         else:
             measured, limit = _x(t["value"], 4), f"≤ {t['limit']:g}"
         mark = "n/a" if t["passed"] is None else ("pass" if t["passed"] else "**FAIL**")
         lines.append(f"| {t['description']} | {measured} | {limit} | {mark} |")
 
-    lines += ["", "## Load call alone (fresh process each, page cache warm)", "",
-              "Median (min–max) of the load call; imports are timed separately. "
-              "*first*: `overmind_lab.load(...)` with the entry evicted (loads and stores); "
-              "*warm*: the same call in a new process. *touch*: first read of every weight page "
-              "after a warm load (not part of the load time).", "",
-              "| case | weights | plain | first | warm | warm/plain | first/plain | touch (warm) | "
-              "imports (warm proc) | check |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"]
-    for name, case in results.get("cases", {}).items():
-        r = case.get("ratios", {})
-        touch = case.get("stats", {}).get("warm", {}).get("touch")
-        imports = case.get("stats", {}).get("warm", {}).get("imports")
-        check = case.get("check")
-        check_text = "-" if check is None else ("pass" if check.get("passed") else "**FAIL**")
-        lines.append(
-            f"| {case.get('title', name)} | {_gb(case.get('weight_bytes'))} | {_mode_cell(case, 'plain')} | "
-            f"{_mode_cell(case, 'first')} | {_mode_cell(case, 'warm')} | {_x(r.get('warm_over_plain'), 4)} | "
-            f"{_x(r.get('first_over_plain'), 2)} | {_s(touch['median']) if touch else '-'} | "
-            f"{_s(imports['median']) if imports else '-'} | {check_text} |")
+    if results.get("cases"):  # rest-entries alone runs no load case
+        lines += ["", "## Load call alone (fresh process each, page cache warm)", "",
+                  "Median (min–max) of the load call; imports are timed separately. "
+                  "*first*: `overmind_lab.load(...)` with the entry evicted (loads and stores); "
+                  "*warm*: the same call in a new process. *touch*: first read of every weight page "
+                  "after a warm load (not part of the load time).", "",
+                  "| case | weights | plain | first | warm | warm/plain | first/plain | touch (warm) | "
+                  "imports (warm proc) | check |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"]
+        for name, case in results.get("cases", {}).items():
+            r = case.get("ratios", {})
+            touch = case.get("stats", {}).get("warm", {}).get("touch")
+            imports = case.get("stats", {}).get("warm", {}).get("imports")
+            check = case.get("check")
+            check_text = "-" if check is None else ("pass" if check.get("passed") else "**FAIL**")
+            lines.append(
+                f"| {case.get('title', name)} | {_gb(case.get('weight_bytes'))} | {_mode_cell(case, 'plain')} | "
+                f"{_mode_cell(case, 'first')} | {_mode_cell(case, 'warm')} | {_x(r.get('warm_over_plain'), 4)} | "
+                f"{_x(r.get('first_over_plain'), 2)} | {_s(touch['median']) if touch else '-'} | "
+                f"{_s(imports['median']) if imports else '-'} | {check_text} |")
     failures = [(n, c["check"]) for n, c in results.get("cases", {}).items()
                 if c.get("check") and not c["check"].get("passed")]
     for name, check in failures:
@@ -258,6 +274,25 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
                           f"warm run served by the cache (daemon hit counter): "
                           f"{'yes' if kr.get('warm_from_cache') else 'NO'}."]
 
+    rest = results.get("rest_entries")
+    if rest:
+        lines += ["", f"## REST: GET {rest.get('base_url', '/')}overmind-lab/api/v1/entries "
+                      f"with {rest.get('entries')} entries (real jupyter server)", ""]
+        if rest.get("error"):
+            lines.append(f"Not measured: {rest['error']}")
+        else:
+            st = rest.get("stats") or {}
+            lines += [
+                f"{st.get('n')} sequential requests (`urllib.request`, token header, a new "
+                f"connection each) after {rest.get('warmup')} warm-up requests; every answer "
+                f"listed {', '.join(str(n) for n in rest.get('entries_seen', []))} entries "
+                f"({(rest.get('response_bytes') or 0) / 1e3:.1f} kB each).", "",
+                "| median | p90 | max | min | target | |", "| ---: | ---: | ---: | ---: | ---: | :---: |",
+                f"| {_ms(st.get('median'))} | {_ms(st.get('p90'))} | {_ms(st.get('max'))} | "
+                f"{_ms(st.get('min'))} | median ≤ {(rest.get('limit_seconds') or 0) * 1000:g} ms | "
+                f"{'pass' if rest.get('passed') else '**FAIL**'} |",
+            ]
+
     if results.get("errors"):
         lines += ["", "## Errors", ""] + [f"- {e}" for e in results["errors"]]
     lines += ["", "## Method", "",
@@ -270,6 +305,10 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
               "Models: random weights with the real Stable Diffusion 1.5 architectures "
               "(`overmind_lab._models`).", ""]
     path.write_text("\n".join(lines), encoding="utf-8")
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.1f} ms"
 
 
 def _load(values: list[float] | None) -> str:

@@ -291,6 +291,23 @@ class Bench:
                                   self.progress, timeout=self.timeouts.load,
                                   log_path=self.logs / "kernel.log")
 
+    # -- REST route --------------------------------------------------------------------------
+    def run_rest_entries(self) -> dict[str, Any]:
+        from overmind_lab.bench._rest import ENTRIES, LIMIT_SECONDS, run_rest_entries
+
+        self.progress(f"rest-entries: GET overmind-lab/api/v1/entries with {ENTRIES} entries "
+                      "through a real jupyter server")
+        assert self.daemon is not None
+        out = run_rest_entries(self.env, self.evict_all,
+                               lambda: len(self.daemon.client().entries()),  # type: ignore[union-attr]
+                               self.progress, self.logs, timeout=self.timeouts.load)
+        st = out["stats"]
+        self.progress(f"rest-entries: {st['n']} requests: median {_fmt_s(st['median'])}, "
+                      f"p90 {_fmt_s(st['p90'])}, max {_fmt_s(st['max'])} "
+                      f"(target median <= {LIMIT_SECONDS * 1000:g} ms: "
+                      f"{'pass' if out['passed'] else 'FAIL'})")
+        return out
+
     # -- the run ----------------------------------------------------------------------------
     def run(self) -> int:
         try:
@@ -320,14 +337,15 @@ class Bench:
         self.progress(f"overmind-lab bench{' --quick' if self.quick else ''}: {len(names)} cases, "
                       f"{self.repeat} runs per mode; results in {self.out}")
         needed = _cases.needed_models(names)
-        self.progress(f"models: building (once) {', '.join(str(self.dirs[k]) for k in needed)}")
-        try:
-            self.results["models"] = _cases.build_models(self.dirs, needed, self.quick,
-                                                         timeout=3600.0)
-        except Exception as exc:  # noqa: BLE001
-            self.error(f"models: {exc}")
-            self.checkpoint()
-            return 1
+        if needed:  # rest-entries alone needs no model
+            self.progress(f"models: building (once) {', '.join(str(self.dirs[k]) for k in needed)}")
+            try:
+                self.results["models"] = _cases.build_models(self.dirs, needed, self.quick,
+                                                             timeout=3600.0)
+            except Exception as exc:  # noqa: BLE001
+                self.error(f"models: {exc}")
+                self.checkpoint()
+                return 1
         for key, info in self.results["models"].items():
             how = "reused" if info.get("reused") else f"built in {info['seconds']:.0f} s"
             self.progress(f"models: {key}: {info['path']} ({(info.get('bytes') or 0) / 1e9:.2f} GB, {how})")
@@ -379,6 +397,16 @@ class Bench:
                         self.error("kernel-restart: the load after the restart was not a cache hit")
                 with contextlib.suppress(Exception):
                     self.evict_all()
+            if "rest-entries" in names:
+                try:
+                    rest = self.run_rest_entries()
+                except Exception as exc:  # noqa: BLE001
+                    rest = {"error": f"{type(exc).__name__}: {exc}"}
+                    self.error(f"rest-entries: {rest['error']}")
+                self.results["rest_entries"] = rest
+                with contextlib.suppress(Exception):
+                    self.evict_all()
+                self.checkpoint()
         except KeyboardInterrupt:
             self.error("interrupted")
         except Exception as exc:  # noqa: BLE001
@@ -408,6 +436,9 @@ class Bench:
                 continue
             if t["id"] == "correct":
                 lines.append(f"  {'pass' if t['passed'] else 'FAIL'}  {t['description']}")
+            elif t.get("unit") == "ms":
+                lines.append(f"  {'pass' if t['passed'] else 'FAIL'}  {t['description']}: "
+                             f"{t['value']:.1f} ms (<= {t['limit']:g} ms)")
             else:
                 lines.append(f"  {'pass' if t['passed'] else 'FAIL'}  {t['description']}: "
                              f"{t['value']:.4f} (<= {t['limit']:g})")

@@ -1,0 +1,205 @@
+"""The ``rest-entries`` case: ``GET <base_url>/overmind-lab/api/v1/entries`` with 100 entries.
+
+The sidebar polls this route, so it must answer quickly with a well-filled cache (target:
+median <= 50 ms with 100 entries). Steps, all against the benchmark's daemon:
+
+1. one child process (``python -m overmind_lab.bench._rest ENTRIES``) stores that many
+   small entries: ``overmind_lab.load(make_entry, i)`` for each ``i`` (a tiny tensor dict;
+   :func:`make_entry` is importable by name, so each ``i`` is its own entry);
+2. a real ``jupyter server`` with the ``overmind_lab._server`` extension is started with
+   ``OVERMIND_LAB_SOCKET`` in its environment, on a free port, with a random token;
+3. after a few warm-up requests, sequential ``GET`` requests (``urllib.request``, one
+   connection each, no proxy) are timed from sending to the end of the body, and every
+   answer is checked to list all the entries.
+
+The server is always stopped (its whole process group), whatever happens. This module
+imports torch only inside :func:`make_entry`, in the child.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import secrets
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ENTRIES", "LIMIT_SECONDS", "make_entry", "run_rest_entries"]
+
+#: Entries in the cache while the route is timed, and the target for the median answer.
+ENTRIES = 100
+LIMIT_SECONDS = 0.050
+WARMUP = 3
+REQUESTS = 50
+BASE_URL = "/bench/"
+SERVER_START_TIMEOUT = 60.0
+REQUEST_TIMEOUT = 30.0
+
+
+def make_entry(i: int) -> dict[str, Any]:
+    """A small tensor dict, different for every ``i`` (one cache entry per ``i``)."""
+    import torch
+
+    return {"weight": torch.full((64,), float(i)), "bias": torch.arange(8, dtype=torch.float32) + i}
+
+
+def _populate(count: int) -> None:
+    import overmind_lab
+
+    for i in range(count):
+        overmind_lab.load(make_entry, i)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in 0..100)."""
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+class _Server:
+    """A ``jupyter server`` in its own process group, stopped by :meth:`stop`."""
+
+    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+        self.port = _free_port()
+        self.token = secrets.token_hex(24)
+        self.root = f"http://127.0.0.1:{self.port}{BASE_URL}"
+        self.log_path = log_path
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+        # localhost requests must never go through a proxy from the environment
+        self.opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def start(self, timeout: float = SERVER_START_TIMEOUT) -> float:
+        """Start the server and wait until it answers; returns the seconds that took."""
+        cmd = [sys.executable, "-m", "jupyter_server", "--no-browser", "--allow-root",
+               f"--port={self.port}", "--ip=127.0.0.1", f"--ServerApp.token={self.token}",
+               f"--ServerApp.base_url={BASE_URL}", "--ServerApp.port_retries=0",
+               "--ServerApp.jpserver_extensions={'overmind_lab._server': True}"]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                         env=self.env, close_fds=True, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        url = f"{self.root}api/status?token={self.token}"
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"jupyter server exited with {self.proc.returncode} "
+                                   f"before answering; see {self.log_path}")
+            with contextlib.suppress(OSError, urllib.error.URLError):
+                with self.opener.open(url, timeout=2.0) as resp:
+                    if resp.status == 200:
+                        return time.perf_counter() - t0
+            time.sleep(0.2)
+        raise RuntimeError(f"jupyter server did not answer {BASE_URL}api/status within "
+                           f"{timeout:.0f} s; see {self.log_path}")
+
+    def get(self, path: str) -> tuple[float, bytes]:
+        """``GET`` a path under the base URL; returns (seconds, body)."""
+        req = urllib.request.Request(self.root + path,
+                                     headers={"Authorization": f"token {self.token}"})
+        t0 = time.perf_counter()
+        with self.opener.open(req, timeout=REQUEST_TIMEOUT) as resp:
+            body = resp.read()
+        return time.perf_counter() - t0, body
+
+    def stop(self) -> None:
+        """Terminate the server's process group (SIGTERM, then SIGKILL after 10 s)."""
+        if self.proc is None:
+            return
+        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+            if self.proc.poll() is not None:
+                break
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=wait)
+        # anything the server left in its group (it was started in a new session)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def _count(body: bytes) -> int:
+    data = json.loads(body)
+    entries = data.get("entries") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        raise RuntimeError(f"GET entries did not answer {{'entries': [...]}}: {body[:200]!r}")
+    return len(entries)
+
+
+def run_rest_entries(env: dict[str, str], evict_all: Callable[[], object],
+                     count_entries: Callable[[], int], progress: Callable[[str], None],
+                     log_dir: Path, timeout: float, entries: int = ENTRIES,
+                     requests: int = REQUESTS, warmup: int = WARMUP) -> dict[str, Any]:
+    """Fill the cache with *entries* small entries and time ``GET entries`` through a
+    real Jupyter server; returns the case's results (raises on failure)."""
+    out: dict[str, Any] = {"entries": entries, "requests": requests, "warmup": warmup,
+                           "limit_seconds": LIMIT_SECONDS, "base_url": BASE_URL}
+    evict_all()
+    progress(f"rest-entries: storing {entries} small entries in one process")
+    t0 = time.perf_counter()
+    with open(log_dir / "rest-entries-populate.log", "ab") as log:
+        proc = subprocess.run([sys.executable, "-m", "overmind_lab.bench._rest", str(entries)],
+                              stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+                              timeout=timeout, check=False)
+    out["populate_seconds"] = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"storing the entries failed (exit {proc.returncode}); "
+                           f"see {log_dir / 'rest-entries-populate.log'}")
+    stored = count_entries()
+    out["daemon_entries"] = stored
+    if stored != entries:
+        raise RuntimeError(f"the daemon holds {stored} entries after storing {entries}")
+
+    server = _Server(env, log_dir / "rest-entries-server.log")
+    try:
+        out["server_start_seconds"] = server.start()
+        progress(f"rest-entries: jupyter server up on port {server.port} "
+                 f"in {out['server_start_seconds']:.1f} s")
+        path = "overmind-lab/api/v1/entries"
+        for _ in range(warmup):
+            _, body = server.get(path)
+            _count(body)
+        times: list[float] = []
+        counts: set[int] = set()
+        for _ in range(requests):
+            seconds, body = server.get(path)
+            times.append(seconds)
+            counts.add(_count(body))
+            out["response_bytes"] = len(body)
+    finally:
+        server.stop()
+    out["seconds"] = times
+    out["entries_seen"] = sorted(counts)
+    if counts != {entries}:
+        raise RuntimeError(f"GET entries listed {sorted(counts)} entries, expected {entries}")
+    out["stats"] = {"median": statistics.median(times), "p90": _percentile(times, 90),
+                    "max": max(times), "min": min(times), "mean": statistics.fmean(times),
+                    "n": len(times)}
+    out["passed"] = out["stats"]["median"] <= LIMIT_SECONDS
+    return out
+
+
+if __name__ == "__main__":
+    # import by the real name, so the cache keys name overmind_lab.bench._rest:make_entry
+    from overmind_lab.bench._rest import _populate as populate
+
+    populate(int(sys.argv[1]) if len(sys.argv) > 1 else ENTRIES)
