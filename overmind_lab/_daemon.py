@@ -3,7 +3,7 @@
 It holds sealed memfd segments (that *is* the cache), an index of entries, statistics and
 single-flight leases. It never imports torch or user code and never unpickles anything;
 it cannot be crashed by a model. Start it with ``overmind-lab serve`` or let the first
-client start it (``serve --detach``: double fork, ``setsid``, stdio to the log file).
+client start it (``_serve``: lifetime lock, ``--detach``).
 
 Requests (JSON frames, see ``_protocol``), one connection may send several:
 
@@ -21,16 +21,13 @@ Requests (JSON frames, see ``_protocol``), one connection may send several:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import errno
 import fcntl
 import logging
 import os
 import signal
 import socket
 import struct
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -41,15 +38,12 @@ from overmind_lab._index import Entry, Index, Segment, TooLarge
 from overmind_lab._paths import (
     BUDGET_ENV,
     available_memory,
-    ensure_private_dir,
     parse_size,
-    runtime_dir,
-    socket_path,
     total_memory,
 )
 from overmind_lab._protocol import AsyncChannel
 
-__all__ = ["Daemon", "main", "default_budget"]
+__all__ = ["Daemon", "default_budget", "peer_credentials"]
 
 log = logging.getLogger("overmind_lab.daemon")
 
@@ -373,150 +367,3 @@ class _RequestError(Exception):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind
-
-
-# -- process management ---------------------------------------------------------------
-def _lock_path(path: Path) -> Path:
-    return path.with_name(path.name + ".lock")
-
-
-def log_path(path: Path) -> Path:
-    return path.with_name(path.name + ".log")
-
-
-def _take_lifetime_lock(path: Path) -> int | None:
-    """The daemon's own lock: held for its whole life, proves a socket is not stale."""
-    fd = os.open(_lock_path(path), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        os.close(fd)
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            return None
-        raise
-    return fd
-
-
-def _bind(path: Path) -> socket.socket:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        path.unlink()  # stale: we hold the lifetime lock, so its daemon is gone
-    except FileNotFoundError:
-        pass
-    old = os.umask(0o177)
-    try:
-        sock.bind(str(path))
-    finally:
-        os.umask(old)
-    sock.listen(128)
-    return sock
-
-
-def _prepare_dir(path: Path) -> None:
-    if path.parent == runtime_dir():
-        ensure_private_dir(path.parent)
-    else:
-        path.parent.mkdir(parents=True, exist_ok=True)
-
-
-def run(path: Path, budget: int, ready_fd: int | None = None) -> int:
-    """Run a daemon on ``path`` until stopped. Returns the exit status."""
-    _prepare_dir(path)
-    lock = _take_lifetime_lock(path)
-    if lock is None:
-        print(f"overmind-lab: a daemon is already running on {path}", file=sys.stderr)
-        if ready_fd is not None:
-            os.write(ready_fd, b"running\n")
-            os.close(ready_fd)
-        return 0
-    sock = _bind(path)
-    daemon = Daemon(path, budget)
-    from overmind_lab import _refresh
-
-    _refresh.attach(daemon)
-    if ready_fd is not None:
-        os.write(ready_fd, b"started\n")
-        os.close(ready_fd)
-    try:
-        asyncio.run(daemon.serve(sock))
-    finally:
-        try:
-            if path.exists() and os.stat(path).st_ino == os.fstat(sock.fileno()).st_ino:
-                path.unlink()
-        except OSError:
-            pass
-        sock.close()
-        os.close(lock)
-    return 0
-
-
-def detach(path: Path, budget: int) -> int:
-    """Start a daemon fully detached (double fork, setsid), return once it listens."""
-    _prepare_dir(path)
-    read_end, write_end = os.pipe()
-    if os.fork() > 0:  # the caller: wait for the grandchild to say it is ready
-        os.close(write_end)
-        with os.fdopen(read_end, "rb") as f:
-            answer = f.readline().strip()
-        if answer not in (b"started", b"running"):
-            print(f"overmind-lab: the daemon did not start; see {log_path(path)}",
-                  file=sys.stderr)
-            return 1
-        return 0
-    os.close(read_end)
-    os.setsid()
-    if os.fork() > 0:
-        os._exit(0)
-    logfd = os.open(log_path(path), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    nullfd = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(nullfd, 0)
-    os.dup2(logfd, 1)
-    os.dup2(logfd, 2)
-    os.close(nullfd)
-    os.close(logfd)
-    os.chdir("/")
-    _configure_logging()
-    try:
-        status = run(path, budget, ready_fd=write_end)
-    except BaseException:
-        log.exception("daemon failed")
-        status = 1
-    os._exit(status)
-
-
-def _configure_logging() -> None:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="overmind-lab serve")
-    add_serve_arguments(parser)
-    return serve_command(parser.parse_args(argv))
-
-
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--socket", help="socket path (default: $OVERMIND_LAB_SOCKET or "
-                                         "the per-user runtime directory)")
-    parser.add_argument("--budget", help="memory budget, e.g. 12GiB or 40%% "
-                                         "(default: $OVERMIND_LAB_BUDGET or 50%% of RAM)")
-    parser.add_argument("--detach", action="store_true",
-                        help="run in the background, detached from this terminal")
-
-
-def serve_command(args: argparse.Namespace) -> int:
-    path = socket_path(args.socket)
-    try:
-        budget = parse_size(args.budget) if args.budget else default_budget()
-    except ValueError as exc:
-        print(f"overmind-lab serve: {exc}", file=sys.stderr)
-        return 2
-    if args.detach:
-        return detach(path, budget)
-    _configure_logging()
-    return run(path, budget)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
-

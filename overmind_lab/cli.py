@@ -104,7 +104,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from overmind_lab._daemon import serve_command
+    from overmind_lab._serve import serve_command
 
     return serve_command(args)
 
@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                                             "or the per-user socket)")
         return p
 
-    from overmind_lab._daemon import add_serve_arguments
+    from overmind_lab._serve import add_serve_arguments
 
     add_serve_arguments(add("serve", cmd_serve, "run the cache daemon", json_flag=False))
     add("status", cmd_status, "show whether the daemon runs and what it holds")
