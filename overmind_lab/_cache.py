@@ -295,9 +295,12 @@ def _rebuild(entry: dict[str, Any], fds: list[int], components: dict[str, Any]) 
             os.close(fd)
         raise OvermindError(f"{len(segments)} segments but {len(fds)} descriptors")
     mappings = []
+    pinned = []  # the mmaps stay alive while the tensors over them are built
     for i, (spec, fd) in enumerate(zip(segments, fds, strict=True)):
         try:
-            mappings.append(map_segment(spec["id"], int(spec["size"]), fd))
+            mapping, mm = map_segment(spec["id"], int(spec["size"]), fd)
+            mappings.append(mapping)
+            pinned.append(mm)
         except BaseException:
             for rest in fds[i + 1:]:
                 os.close(rest)

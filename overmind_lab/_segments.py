@@ -101,9 +101,16 @@ class Mapping:
 
     segment_id: str
     size: int
-    mm: mmap.mmap
+    mm_ref: weakref.ref[mmap.mmap]
     address: int
     fd: int
+
+    @property
+    def mm(self) -> mmap.mmap:
+        mm = self.mm_ref()
+        if mm is None:
+            raise RuntimeError(f"segment {self.segment_id} is no longer mapped")
+        return mm
 
     def view(self, offset: int, nbytes: int) -> memoryview:
         return memoryview(self.mm)[offset:offset + nbytes]
@@ -124,8 +131,14 @@ _starts: list[int] = []
 _maps: list[Mapping] = []
 
 
-def map_segment(segment_id: str, size: int, fd: int) -> Mapping:
-    """Map ``fd`` copy-on-write; takes ownership of ``fd`` (closed with the mapping)."""
+def map_segment(segment_id: str, size: int, fd: int) -> tuple[Mapping, mmap.mmap]:
+    """Map ``fd`` copy-on-write; takes ownership of ``fd`` (closed with the mapping).
+
+    Returns the registry record and the mapping itself. Note [Mapping lifetime]: only
+    the tensors built over it (and the caller, while it builds them) keep the ``mmap``
+    alive; the registry holds it weakly, so dropping the last tensor unmaps the segment
+    and gives its memory back.
+    """
     alloc = max(size, 1)
     try:
         mm = mmap.mmap(fd, alloc, flags=mmap.MAP_PRIVATE,
@@ -138,7 +151,7 @@ def map_segment(segment_id: str, size: int, fd: int) -> Mapping:
         address = int(_native.address(probe))
     finally:
         probe.release()
-    mapping = Mapping(segment_id, size, mm, address, fd)
+    mapping = Mapping(segment_id, size, weakref.ref(mm), address, fd)
     with _lock:
         i = bisect.bisect_left(_starts, address)
         _starts.insert(i, address)
@@ -146,7 +159,7 @@ def map_segment(segment_id: str, size: int, fd: int) -> Mapping:
     weakref.finalize(mm, _forget, address, fd)
     if os.environ.get(PREFAULT_ENV, "0") == "1":
         prefault(mapping)
-    return mapping
+    return mapping, mm
 
 
 def _forget(address: int, fd: int) -> None:

@@ -317,3 +317,22 @@ def test_tokenizer_round_trip_is_exact(daemon: Client, tmp_path: Path) -> None:
     assert warm.backend_tokenizer.to_str() == plain.backend_tokenizer.to_str()
     text = "a photo of an astronaut riding a horse on mars <|endoftext|>"
     assert warm(text).input_ids == plain(text).input_ids
+
+
+def _mapped_segments() -> int:
+    with open("/proc/self/maps") as f:
+        return sum("overmind-lab:" in line for line in f)
+
+
+def test_dropping_a_loaded_object_unmaps_its_segment(daemon: Client) -> None:
+    import gc
+
+    from tests.loaders import sized_load
+
+    before = _mapped_segments()
+    cold = overmind_lab.load(sized_load, 1 << 20, "unmap")
+    warm = overmind_lab.load(sized_load, 1 << 20, "unmap")
+    assert _mapped_segments() == before + 2  # one mapping per load
+    del cold, warm
+    gc.collect()
+    assert _mapped_segments() == before  # memory goes back when the tensors go
