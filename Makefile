@@ -59,3 +59,35 @@ lint: install
 clean:
 	rm -rf $(VENV) build overmind_lab/labextension labextension/lib node_modules \
 		ui-tests/node_modules .models bench-results
+
+# Upstream tests, made to hit warm: transformers' common model tests (its sdist ships them)
+# for Llama, GPT-2 and BERT (drivers in peer/), run once plain and once with peer/
+# overmind_peer.py, which makes every from_pretrained call twice and gives the test the warm
+# hit; the outcomes must be equal test by test. PEER_ARGS=--peer-verify adds verify mode.
+PEER_VERSION := 5.24.0
+PEER_DIR := .peer
+PEER_SRC := $(PEER_DIR)/transformers-$(PEER_VERSION)
+PEER_TESTS := peer/test_peer_llama.py peer/test_peer_gpt2.py peer/test_peer_bert.py
+PEER_ARGS ?=
+PEER_PYTEST := cd $(PEER_SRC) && HF_HUB_OFFLINE=1 PYTHONPATH=$(CURDIR)/peer \
+	$(CURDIR)/$(PY) -m pytest -c $(CURDIR)/peer/pytest.ini -q -p no:randomly \
+	$(addprefix $(CURDIR)/,$(PEER_TESTS))
+
+.PHONY: peer-test peer-deps
+
+$(PEER_SRC)/tests/test_modeling_common.py:
+	mkdir -p $(PEER_DIR)
+	$(PIP) download --quiet --no-deps --no-binary :all: -d $(PEER_DIR) \
+		transformers==$(PEER_VERSION)
+	tar -xzf $(PEER_DIR)/transformers-$(PEER_VERSION).tar.gz -C $(PEER_DIR)
+	cp -r peer/shims/. $(PEER_SRC)/tests/
+	touch $@
+
+peer-deps: install
+	$(PIP) install --quiet -c $(CONSTRAINTS) parameterized
+
+peer-test: peer-deps $(PEER_SRC)/tests/test_modeling_common.py
+	$(PEER_PYTEST) --junitxml=$(CURDIR)/$(PEER_DIR)/plain.xml || true
+	OVERMIND_PEER_STATS=$(CURDIR)/$(PEER_DIR)/stats.json $(PEER_PYTEST) -p overmind_peer \
+		$(PEER_ARGS) --junitxml=$(CURDIR)/$(PEER_DIR)/warm.xml || true
+	$(PY) peer/compare.py $(PEER_DIR)/plain.xml $(PEER_DIR)/warm.xml $(PEER_DIR)/stats.json

@@ -1,0 +1,48 @@
+"""transformers' common model tests (ModelTesterMixin) for BERT, on a tiny config."""
+
+import unittest
+
+from tests.test_modeling_common import ModelTesterMixin, ids_tensor, random_attention_mask
+from transformers import (
+    BertConfig,
+    BertForMaskedLM,
+    BertForNextSentencePrediction,
+    BertForPreTraining,
+    BertForQuestionAnswering,
+    BertForSequenceClassification,
+    BertForTokenClassification,
+    BertModel,
+)
+
+
+class BertTester:
+    def __init__(self, parent, batch_size=2, seq_length=7):
+        self.parent = parent
+        self.batch_size = batch_size
+        self.seq_length = seq_length
+        self.vocab_size = 99
+        self.num_labels = 3
+
+    def get_config(self):
+        return BertConfig(
+            vocab_size=self.vocab_size, hidden_size=32, num_hidden_layers=2,
+            num_attention_heads=4, intermediate_size=37, max_position_embeddings=512,
+            type_vocab_size=16, num_labels=self.num_labels,
+        )
+
+    def prepare_config_and_inputs_for_common(self):
+        input_ids = ids_tensor([self.batch_size, self.seq_length], self.vocab_size)
+        token_type_ids = ids_tensor([self.batch_size, self.seq_length], 16)
+        mask = random_attention_mask([self.batch_size, self.seq_length])
+        inputs = {"input_ids": input_ids, "token_type_ids": token_type_ids, "attention_mask": mask}
+        return self.get_config(), inputs
+
+
+class BertPeerTest(ModelTesterMixin, unittest.TestCase):
+    all_model_classes = (
+        BertModel, BertForMaskedLM, BertForNextSentencePrediction, BertForPreTraining,
+        BertForQuestionAnswering, BertForSequenceClassification, BertForTokenClassification,
+    )
+
+    def setUp(self):
+        self.model_tester = BertTester(self)
