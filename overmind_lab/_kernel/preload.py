@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 __all__ = [
-    "DEFAULT_PRELOAD", "is_third_party", "class_module_candidates", "read_learned",
+    "DEFAULT_PRELOAD", "PRELOAD_ENV", "is_third_party", "class_module_candidates", "read_learned",
     "record_learned", "snapshot", "stale_reason", "third_party_modules",
 ]
 
@@ -46,6 +46,8 @@ DEFAULT_PRELOAD = (
 _OVERMIND_LAZY = ("load", "patch_all", "load_ipython_extension", "Client")
 
 _MAX_LEARNED = 5000
+#: A comma-separated list that replaces :data:`DEFAULT_PRELOAD` (part of the identity).
+PRELOAD_ENV = "OVERMIND_LAB_PRELOAD"
 
 
 def _roots() -> tuple[str, ...]:

@@ -1,6 +1,6 @@
 """The zygote: a process that imported the heavy libraries once and forks kernels.
 
-Run as ``python -P -m overmind_lab._kernel.zygote --socket PATH --owner PID`` (the
+Run as ``python -m overmind_lab._kernel.zygote --socket PATH --owner PID`` (the
 provisioner starts it, detached, on first use). It listens on a Unix socket in the
 per-user 0700 directory, serves only its own uid (``SO_PEERCRED``), and answers:
 
@@ -167,7 +167,9 @@ def _entry_modules() -> list[str]:
 
 
 def wanted_modules(paths: ZygotePaths) -> list[str]:
-    return [*preload.DEFAULT_PRELOAD, *preload.read_learned(paths.learned)]
+    base = os.environ.get(preload.PRELOAD_ENV)
+    first = base.split(",") if base else preload.DEFAULT_PRELOAD
+    return [*first, *preload.read_learned(paths.learned)]
 
 
 def _do_preload(paths: ZygotePaths) -> tuple[list[str], list[str]]:
@@ -455,7 +457,7 @@ def spawn(paths: ZygotePaths, owners: list[int], env: dict[str, str]) -> None:
     # thread it starts none, and the child sets the count a fresh process has.
     env["OPENBLAS_NUM_THREADS"] = "1"
     env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
-    cmd = [sys.executable, "-P", "-m", "overmind_lab._kernel.zygote", "--socket",
+    cmd = [sys.executable, "-m", "overmind_lab._kernel.zygote", "--socket",
            str(paths.socket), "--identity", paths.ident,
            *[a for pid in owners for a in ("--owner", str(pid))]]
     log_fd = os.open(paths.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
@@ -475,6 +477,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--identity", required=True)
     parser.add_argument("--owner", type=int, action="append", default=[])
     args = parser.parse_args(argv)
+    # Note [Third-party only] in preload.py: nothing may be imported from the directory
+    # ``-m`` put first on sys.path (the child puts its own cwd there, as ``-m`` does).
+    # Not ``-P``: that sets sys.flags.safe_path, which a fresh kernel does not have.
+    if sys.path and not sys.flags.safe_path and sys.path[0] == os.getcwd():
+        del sys.path[0]
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s zygote %(process)d %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
