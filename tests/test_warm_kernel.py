@@ -10,7 +10,6 @@ from them, which keep the zygote's command line) is killed at teardown, also on 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os

@@ -46,8 +46,7 @@ import select
 import signal
 import sys
 import threading
-from typing import NoReturn
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from overmind_lab._kernel import preload
 
@@ -85,7 +84,7 @@ def _reseed() -> None:
 def _set_threads(targets: dict[str, int]) -> None:
     if not targets or "threadpoolctl" not in sys.modules:
         return
-    from threadpoolctl import ThreadpoolController
+    from threadpoolctl import ThreadpoolController  # type: ignore[import-untyped]
 
     for lib in ThreadpoolController().lib_controllers:
         want = targets.get(lib.filepath)

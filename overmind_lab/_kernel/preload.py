@@ -15,6 +15,7 @@ preloaded: it must come fresh from disk in every kernel.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import sys

@@ -142,7 +142,7 @@ def request_fork(cmd: list[str], env: dict[str, str], cwd: str,
     return WarmKernel(int(reply["pid"]), fds[0], chan)
 
 
-class WarmProvisioner(LocalProvisioner):  # type: ignore[misc]
+class WarmProvisioner(LocalProvisioner):
     """A ``LocalProvisioner`` whose kernels are forked from an overmind-lab zygote."""
 
     warm: WarmKernel | None = None
@@ -168,22 +168,22 @@ class WarmProvisioner(LocalProvisioner):  # type: ignore[misc]
                     os.close(fd)
         except WarmUnavailable as exc:
             self.log.warning("overmind-lab: launching a plain kernel: %s", exc)
-            return await super().launch_kernel(cmd, **kwargs)  # type: ignore[no-any-return]
+            return await super().launch_kernel(cmd, **kwargs)
         self.warm = warm
         self.pid = self.pgid = warm.pid
         self.cwd = cwd
         self.log.info("overmind-lab: warm kernel %d forked in %.0f ms", warm.pid,
                       (time.perf_counter() - t0) * 1000)
-        return self.connection_info  # type: ignore[no-any-return]
+        return self.connection_info
 
     async def poll(self) -> int | None:
         if self.warm is None:
-            return await super().poll()  # type: ignore[no-any-return]
+            return await super().poll()
         return self.warm.returncode()
 
     async def wait(self) -> int | None:
         if self.warm is None:
-            return await super().wait()  # type: ignore[no-any-return]
+            return await super().wait()
         while (code := self.warm.returncode()) is None:
             await asyncio.sleep(0.05)
         self.warm.close()
