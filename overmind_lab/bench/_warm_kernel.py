@@ -30,7 +30,7 @@ from typing import Any
 
 __all__ = ["build_llama", "run", "main"]
 
-LLAMA_CONFIG = dict(  # TinyLlama-1.1B's shape
+LLAMA_CONFIG: dict[str, Any] = dict(  # TinyLlama-1.1B's shape
     hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
     num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048,
 )
@@ -61,11 +61,12 @@ def build_llama(path: Path, tiny: bool = False) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    cfg = dict(LLAMA_CONFIG)
+    cfg: dict[str, Any] = dict(LLAMA_CONFIG)
     if tiny:
         cfg.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**cfg), dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+        LlamaConfig(**cfg), dtype=torch.bfloat16)
     tmp = path.with_name(path.name + ".tmp")
     model.save_pretrained(tmp)
     os.replace(tmp, path)
@@ -113,7 +114,7 @@ class _Kernel:
         return seconds
 
     def pss(self) -> int:
-        return _pss(int(self.km.provisioner.pid))
+        return _pss(int(getattr(self.km.provisioner, "pid", 0)))
 
     def close(self) -> None:
         self.kc.stop_channels()
