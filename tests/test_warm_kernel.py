@@ -323,6 +323,22 @@ def test_an_edited_user_module_in_the_notebook_folder_runs_new_code(
     assert "my_user_module_xyz" not in learned
 
 
+def test_modules_a_kernel_imported_are_preloaded_by_the_next_zygote(
+        kernel: Kernel, warm_dir: Path) -> None:
+    assert kernel.warm
+    before = ready_zygote(warm_dir)
+    assert kernel.run("import sys; print('colorsys' in sys.modules)").strip() == "False"
+    kernel.run("import colorsys")
+    kernel.restart()  # the old kernel's exit records colorsys; the next fork renews
+    assert kernel.warm
+    fresh = ready_zygote(warm_dir, not_pid=before["pid"])
+    kernel.restart()
+    assert kernel.warm and _ppid(kernel.pid) == fresh["pid"]
+    # the replaced zygote exits once its last kernel is gone
+    _wait_for(lambda: not _alive(before["pid"]), 10, "the replaced zygote to retire")
+    assert kernel.run("import sys; print('colorsys' in sys.modules)").strip() == "True"
+
+
 @pytest.mark.skipif(os.getuid() != 0 or shutil.which("setpriv") is None,
                     reason="needs root and setpriv to run a client as another uid")
 def test_another_uid_cannot_ask_the_zygote_to_fork(zygote: dict[str, Any]) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import gc
 import logging
 import os
 import select
@@ -102,6 +103,7 @@ class _State:
     forks: int = 0
     last_fork_ms: float | None = None
     retiring: str | None = None
+    renewing: bool = False
     started: float = field(default_factory=time.time)
 
 
@@ -145,8 +147,8 @@ def user_env(env: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def _entry_modules() -> list[str]:
-    """Modules of the classes of the entries now in the cache (the daemon is not started)."""
+def _entry_classes() -> list[str]:
+    """The classes of the entries now in the cache (the daemon is not started)."""
     from overmind_lab import Client
     from overmind_lab._errors import OvermindError
 
@@ -154,9 +156,13 @@ def _entry_modules() -> list[str]:
         entries = Client().entries()
     except (OvermindError, OSError):
         return []
+    return [str(e.get("class") or "") for e in entries if e.get("class")]
+
+
+def _entry_modules() -> list[str]:
+    """Import the modules of the cached entries' classes (third-party ones only)."""
     out: list[str] = []
-    for e in entries:
-        cls = str(e.get("class") or "")
+    for cls in _entry_classes():
         for cand in preload.class_module_candidates(cls):
             if cand in out:
                 break
@@ -216,6 +222,11 @@ def boot(paths: ZygotePaths, owners: list[int]) -> _State | None:
 
         targets = {str(k): int(v) for k, v in json.loads(out or "{}").items()}
         snap = preload.snapshot()
+        # Note [Frozen heap]: a collection in a kernel would touch (write the GC header
+        # of) every object the zygote imported and copy its page: freezing moves them out
+        # of the collector's reach, so the kernels keep sharing those pages.
+        gc.collect()
+        gc.freeze()
         refusal = fork_refusal()
         os.rename(tmp, paths.socket)  # Note [Replacing a zygote]
         state = _State(paths, listener, os.stat(paths.socket).st_ino, snap, preloaded,
@@ -315,7 +326,33 @@ def _handle_fork(state: _State, conn: socket.socket, chan: Channel,
     except OSError:
         pass  # the provisioner went away; the kernel's own parent watch decides
     log.info("forked kernel %d for %d in %.1f ms", pid, peer, state.last_fork_ms)
+    _maybe_renew(state)
     return None
+
+
+def _missing(state: _State) -> list[str]:
+    """Wanted modules this zygote lacks: learned ones, and cached entries' classes."""
+    failed = {f.partition(":")[0] for f in state.failed}
+    missing = [m for m in preload.read_learned(state.paths.learned)
+               if m not in sys.modules and m not in failed]
+    for cls in _entry_classes():
+        cands = preload.class_module_candidates(cls)
+        if cands and not any(c in sys.modules for c in cands) and cands[-1] not in failed:
+            missing.append(cands[0])
+    return missing
+
+
+def _maybe_renew(state: _State) -> None:
+    """Note [Replacing a zygote]: a grown preload set is imported by a new zygote in the
+    background; this one serves until it is ready. Checked after a fork, off its path."""
+    if state.renewing or state.retiring:
+        return
+    missing = _missing(state)
+    if missing:
+        state.renewing = True
+        log.info("starting a zygote that also preloads %d more modules (%s...)",
+                 len(missing), ", ".join(missing[:5]))
+        spawn(state.paths, owners=list(state.owners), env=user_env(dict(os.environ)))
 
 
 def _close_for_child(state: _State, keep: list[int]) -> None:
