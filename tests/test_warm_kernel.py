@@ -231,6 +231,8 @@ def test_start_execute_interrupt_restart_shutdown(kernel: Kernel, zygote: dict[s
     assert reply["parent_header"]["msg_id"] == msg_id
     assert reply["content"]["status"] == "error"
     assert reply["content"]["ename"] == "KeyboardInterrupt"
+    # ipykernel aborts requests that arrive right after an error (any kernel, plain too)
+    time.sleep(1.0)
     assert kernel.run("print('still here')").strip() == "still here"
     assert _alive(zygote["pid"])
 
@@ -323,20 +325,28 @@ def test_an_edited_user_module_in_the_notebook_folder_runs_new_code(
     assert "my_user_module_xyz" not in learned
 
 
-def test_modules_a_kernel_imported_are_preloaded_by_the_next_zygote(
+def test_modules_a_kernel_imported_are_preloaded_by_a_later_zygote(
         kernel: Kernel, warm_dir: Path) -> None:
+    """A kernel's exit records its third-party modules; the next fork notices that its
+    zygote lacks them and starts a replacement in the background (a replacement that was
+    already importing when the module was learned renews again on its own first fork)."""
+    check = "import sys; print('colorsys' in sys.modules)"
     assert kernel.warm
-    before = ready_zygote(warm_dir)
-    assert kernel.run("import sys; print('colorsys' in sys.modules)").strip() == "False"
+    assert kernel.run(check).strip() == "False"
     kernel.run("import colorsys")
-    kernel.restart()  # the old kernel's exit records colorsys; the next fork renews
-    assert kernel.warm
-    fresh = ready_zygote(warm_dir, not_pid=before["pid"])
-    kernel.restart()
-    assert kernel.warm and _ppid(kernel.pid) == fresh["pid"]
-    # the replaced zygote exits once its last kernel is gone
-    _wait_for(lambda: not _alive(before["pid"]), 10, "the replaced zygote to retire")
-    assert kernel.run("import sys; print('colorsys' in sys.modules)").strip() == "True"
+    for _ in range(6):
+        kernel.restart()
+        assert kernel.warm, kernel.log_text()
+        if kernel.run(check).strip() == "True":
+            break
+        # let a replacement that is importing now take over before the next restart
+        _wait_for(lambda: not list(warm_dir.glob("zygote-*.sock.*")), 300,
+                  "booting zygotes to finish")
+        time.sleep(0.5)
+    else:
+        raise AssertionError(("no zygote preloaded colorsys", _logs(warm_dir)[-2000:]))
+    z = next(z for z in spec.zygotes(warm_dir) if z["pid"] == _ppid(kernel.pid))
+    assert "colorsys" in z["preload_roots"]
 
 
 @pytest.mark.skipif(os.getuid() != 0 or shutil.which("setpriv") is None,

@@ -56,6 +56,8 @@ _REPLY_TIMEOUT = 10.0
 #: The user's own value of a variable the zygote overrides (``spawn``) is kept under this.
 _ORIG = "OVERMIND_LAB_ORIG_"
 _TICK_MS = 500
+#: A replacement that did not take over (it failed, or lost the boot lock) is asked again.
+_RENEW_AGAIN_S = 30.0
 _PROBE = (
     "import json, threadpoolctl\n"
     "for m in ('numpy', 'scipy.linalg'):\n"
@@ -103,7 +105,7 @@ class _State:
     forks: int = 0
     last_fork_ms: float | None = None
     retiring: str | None = None
-    renewing: bool = False
+    renew_requested: float = 0.0
     started: float = field(default_factory=time.time)
 
 
@@ -187,6 +189,8 @@ def _do_preload(paths: ZygotePaths) -> tuple[list[str], list[str]]:
         why = preload.import_third_party(name)
         if why:
             failed.append(why)
+        elif name not in sys.modules:  # replaced itself, or a lazy alias
+            failed.append(f"{name}: not in sys.modules after its import")
     _entry_modules()
     return preload.third_party_modules(), failed
 
@@ -342,14 +346,26 @@ def _missing(state: _State) -> list[str]:
     return missing
 
 
+def _booting(paths: ZygotePaths) -> bool:
+    """Whether a zygote holds the boot lock (is importing) for these paths now."""
+    fd = os.open(paths.boot_lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
 def _maybe_renew(state: _State) -> None:
     """Note [Replacing a zygote]: a grown preload set is imported by a new zygote in the
     background; this one serves until it is ready. Checked after a fork, off its path."""
-    if state.renewing or state.retiring:
+    if state.retiring or time.monotonic() - state.renew_requested < _RENEW_AGAIN_S:
         return
     missing = _missing(state)
-    if missing:
-        state.renewing = True
+    if missing and not _booting(state.paths):
+        state.renew_requested = time.monotonic()
         log.info("starting a zygote that also preloads %d more modules (%s...)",
                  len(missing), ", ".join(missing[:5]))
         spawn(state.paths, owners=list(state.owners), env=user_env(dict(os.environ)))
