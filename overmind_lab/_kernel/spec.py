@@ -60,7 +60,7 @@ def uninstall(name: str = DEFAULT_NAME) -> str | None:
 
     try:
         return str(KernelSpecManager().remove_kernel_spec(name))
-    except NoSuchKernel:
+    except (NoSuchKernel, KeyError):  # jupyter_client raises KeyError for an unknown name
         return None
 
 
