@@ -355,7 +355,7 @@ def test_another_uid_cannot_ask_the_zygote_to_fork(zygote: dict[str, Any]) -> No
     sock = Path(zygote["socket"])
     before = {z["pid"]: z["forks"] for z in spec.zygotes(sock.parent)}
     code = (f"import sys, json, socket; sys.path.insert(0, {REPO!r})\n"
-            "from overmind_lab._protocol import Channel\n"
+            "from overmind_lab._common.protocol import Channel\n"
             "s = socket.socket(socket.AF_UNIX)\n"
             "try:\n"
             f"    s.connect({str(sock)!r})\n"

@@ -26,7 +26,7 @@ Fetch = Callable[..., Awaitable[HTTPResponse]]
 
 @pytest.fixture
 def jp_server_config() -> dict[str, Any]:
-    return {"ServerApp": {"jpserver_extensions": {"overmind_lab._server": True},
+    return {"ServerApp": {"jpserver_extensions": {"overmind_lab._jupyter.server": True},
                           "reraise_server_extension_failures": True}}
 
 

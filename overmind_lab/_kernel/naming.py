@@ -21,7 +21,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from overmind_lab._paths import ensure_private_dir, runtime_dir, socket_path
+from overmind_lab._common.naming import ensure_private_dir, runtime_dir, socket_path
 
 __all__ = ["IMPORT_ENV_PREFIXES", "import_env", "identity", "zygote_dir", "ZygotePaths"]
 

@@ -28,8 +28,8 @@ from typing import Any
 from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning.local_provisioner import LocalProvisioner
 
+from overmind_lab._common.protocol import Channel
 from overmind_lab._errors import OvermindError
-from overmind_lab._protocol import Channel
 
 __all__ = ["WarmProvisioner", "WarmUnavailable", "request_fork"]
 

@@ -16,8 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from overmind_lab._common.protocol import Channel
 from overmind_lab._kernel.naming import zygote_dir
-from overmind_lab._protocol import Channel
 
 __all__ = ["DEFAULT_NAME", "DISPLAY_NAME", "kernel_json", "install", "uninstall",
            "zygotes", "add_parser"]
@@ -125,7 +125,7 @@ def _print(data: Any) -> None:
 
 
 def cmd_kernel(args: argparse.Namespace) -> int:
-    from overmind_lab._paths import format_size
+    from overmind_lab._common.sizes import format_size
 
     if args.socket:
         os.environ["OVERMIND_LAB_SOCKET"] = args.socket

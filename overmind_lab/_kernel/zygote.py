@@ -44,9 +44,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from overmind_lab._common.protocol import Channel
 from overmind_lab._kernel import preload
 from overmind_lab._kernel.naming import ZYGOTE_ONLY_ENV, ZygotePaths, identity
-from overmind_lab._protocol import Channel
 
 __all__ = ["ChildTask", "serve", "spawn", "fork_refusal", "main"]
 

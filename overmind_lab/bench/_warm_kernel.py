@@ -201,7 +201,8 @@ def _memory(env: dict[str, str], log: Any, zdir: Path) -> dict[str, Any]:
 
 def run(models_dir: Path, repeat: int = 5, tiny: bool = False,
         progress: Any = print) -> dict[str, Any]:
-    from overmind_lab import Client, _models
+    from overmind_lab import Client
+    from overmind_lab.bench import models as _models
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("JPY_")}
     with tempfile.TemporaryDirectory(prefix="omwk-", dir="/tmp") as d:

@@ -33,15 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from overmind_lab import __version__
-from overmind_lab._holders import HolderScanner
-from overmind_lab._index import Entry, Index, Segment, TooLarge
-from overmind_lab._paths import (
-    BUDGET_ENV,
-    available_memory,
-    parse_size,
-    total_memory,
-)
-from overmind_lab._protocol import AsyncChannel
+from overmind_lab._common.naming import BUDGET_ENV
+from overmind_lab._common.protocol import AsyncChannel
+from overmind_lab._common.sizes import available_memory, parse_size, total_memory
+from overmind_lab._daemon.holders import HolderScanner
+from overmind_lab._daemon.index import Entry, Index, Segment, TooLarge
 
 __all__ = ["Daemon", "default_budget", "peer_credentials"]
 
@@ -318,6 +314,8 @@ class Daemon:
         entry = self.index.get(str(msg.get("key")))
         if entry is not None and isinstance(msg.get("seconds"), (int, float)):
             entry.warm_seconds.append(float(msg["seconds"]))
+        if entry is not None and msg.get("verified") is True:
+            entry.verified += 1
 
     # -- views ------------------------------------------------------------------------
     def _wire_entry(self, entry: Entry) -> dict[str, Any]:
@@ -356,6 +354,7 @@ class Daemon:
                 "callable": entry.callable, "source": entry.source, "bytes": own,
                 "shared_bytes": shared, "tensors": entry.tensors, "created": entry.created,
                 "last_used": entry.last_used, "hits": entry.hits,
+                "verified": entry.verified,
                 "cold_seconds": entry.cold_seconds, "store_seconds": entry.store_seconds,
                 "warm_seconds": list(entry.warm_seconds), "holders": sorted(holders),
                 "replayable": entry.call is not None, "refresh": dict(entry.refresh),
