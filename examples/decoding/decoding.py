@@ -82,18 +82,15 @@ __all__ = [
 
 VOCAB = 256
 
-#: The target: 8 layers, d = 192. See the README's decoding section for why these sizes.
+#: The target: 8 layers, d = 128. See the README's decoding section for why these sizes.
 TARGET_CONFIG: dict[str, Any] = {
-    "vocab_size": VOCAB, "hidden_size": 192, "intermediate_size": 512,
-    "num_hidden_layers": 8, "num_attention_heads": 3, "num_key_value_heads": 3,
+    "vocab_size": VOCAB, "hidden_size": 128, "intermediate_size": 384,
+    "num_hidden_layers": 8, "num_attention_heads": 2, "num_key_value_heads": 2,
     "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
     "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
 }
 #: The draft: 1 layer, d = 128.
-DRAFT_CONFIG: dict[str, Any] = {
-    **TARGET_CONFIG, "hidden_size": 128, "intermediate_size": 384,
-    "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
-}
+DRAFT_CONFIG: dict[str, Any] = {**TARGET_CONFIG, "num_hidden_layers": 1}
 
 
 @dataclass(frozen=True)
@@ -105,8 +102,10 @@ class TrainSpec:
     exit_loss: bool  # the early-exit loss on every layer (the target)
 
 
-TARGET_TRAIN = TrainSpec(steps=330, batch=16, seq_len=128, lr=3e-3, exit_loss=True)
-DRAFT_TRAIN = TrainSpec(steps=1000, batch=16, seq_len=128, lr=3e-3, exit_loss=False)
+TARGET_TRAIN = TrainSpec(steps=520, batch=16, seq_len=128, lr=4e-3, exit_loss=True)
+DRAFT_TRAIN = TrainSpec(steps=300, batch=16, seq_len=128, lr=4e-3, exit_loss=False)
+#: Weight of the mean loss of the intermediate exits, next to the last layer's (weight 1).
+EXIT_WEIGHT = 0.5
 #: Bumped when the corpus, the recipe or the file layout changes (rebuilds old models).
 BUILD_VERSION = 1
 MARKER = ".decoding-built.json"
@@ -654,14 +653,15 @@ def _batches(data: torch.Tensor, spec: TrainSpec, gen: torch.Generator) -> Itera
 
 
 def _loss(model: Any, batch: torch.Tensor, exit_loss: bool) -> tuple[torch.Tensor, list[float]]:
-    """Next-byte cross-entropy of the last layer, plus, with *exit_loss*, the mean over the
-    intermediate exits (shared head after the final norm) of theirs."""
+    """Next-byte cross-entropy of the last layer, plus, with *exit_loss*, :data:`EXIT_WEIGHT`
+    times the mean over the intermediate exits (shared head after the final norm) of
+    theirs. Returns the loss and every exit's cross-entropy."""
     run = Runner(model)
     inputs, labels = batch[:, :-1], batch[:, 1:].reshape(-1)
     states = run.hidden_states(inputs)
     chosen = states if exit_loss else states[-1:]
     losses = [F.cross_entropy(run.logits(h).reshape(-1, run.vocab), labels) for h in chosen]
-    total = losses[-1] + (torch.stack(losses[:-1]).mean() if len(losses) > 1 else 0)
+    total = losses[-1] + (EXIT_WEIGHT * torch.stack(losses[:-1]).mean() if len(losses) > 1 else 0)
     return total, [float(x) for x in losses]
 
 
@@ -687,6 +687,16 @@ def train(model: Any, spec: TrainSpec, data: torch.Tensor, seed: int = SEED,
     # thread is also reproducible (same losses on every run).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    try:
+        return _train_steps(model, spec, data, gen, opt, lr_at, log_every)
+    finally:
+        torch.set_num_threads(threads)
+        model.eval()
+
+
+def _train_steps(model: Any, spec: TrainSpec, data: torch.Tensor, gen: torch.Generator,
+                 opt: torch.optim.Optimizer, lr_at: Callable[[int], float],
+                 log_every: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     recent: list[list[float]] = []
     batches = _batches(data, spec, gen)
@@ -702,8 +712,6 @@ def train(model: Any, spec: TrainSpec, data: torch.Tensor, seed: int = SEED,
         if log_every and (step + 1) % log_every == 0:
             _log(f"step {step + 1}/{spec.steps}: loss {parts[-1]:.3f} "
                  f"({time.perf_counter() - t0:.0f} s)")
-    model.eval()
-    torch.set_num_threads(threads)
     per_exit = [sum(r[i] for r in recent) / len(recent) for i in range(len(recent[0]))]
     return {"seconds": time.perf_counter() - t0, "final_loss": per_exit[-1],
             "exit_losses": per_exit, "steps": spec.steps}
@@ -718,7 +726,8 @@ def _eval_loss(model: Any, data: torch.Tensor, exit_loss: bool) -> list[float]:
 
 def _spec(name: str, config: dict[str, Any], recipe: TrainSpec) -> dict[str, Any]:
     return {"name": name, "version": BUILD_VERSION, "config": config,
-            "train": recipe.__dict__, "seed": SEED, "python": sys.version.split()[0],
+            "train": recipe.__dict__, "exit_weight": EXIT_WEIGHT if recipe.exit_loss else None,
+            "seed": SEED, "python": sys.version.split()[0],
             "transformers": _version("transformers"), "torch": torch.__version__}
 
 

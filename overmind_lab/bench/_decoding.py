@@ -105,8 +105,10 @@ def markdown(out: dict[str, Any]) -> list[str]:
               "medians over the prompts. Exact methods gave the greedy tokens on every prompt: "
               f"{'yes' if out['exact'] else '**NO**: ' + ', '.join(out['mismatches'])}.", "",
               "| method | tokens/s | vs greedy |", "| --- | ---: | ---: |"]
+    alphas = out.get("alpha_by_method", {})
     for name, value in tps.items():
-        lines.append(f"| {name} | {value:.0f} | {value / tps['greedy']:.2f}x |")
+        alpha = f" (alpha {alphas[name]:.3f})" if name in alphas else ""
+        lines.append(f"| {name}{alpha} | {value:.0f} | {value / tps['greedy']:.2f}x |")
     lines += ["", f"alpha (per-token acceptance, all K) = {out['alpha']:.3f}; best K = {out['best_k']} "
                   f"({out['speedup']:.2f}x, target ≥ {out['speedup_target']:g}x).", "",
               "| K | alpha | tokens per target pass | per full round | predicted (1-α^(K+1))/(1-α) | speedup |",
@@ -246,6 +248,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         "build_wall_seconds": build_wall, "step_seconds": costs, "step_cost_ratio": cost_ratio,
         "tokens_per_second": tps, "runs": runs, "alpha": alpha, "per_k": per_k, "best_k": best_k,
         "speedup": per_k[str(best_k)]["speedup"], "speedup_target": SPEEDUP_TARGET,
+        "alpha_by_method": {name: decoding.acceptance_rate(rs) for name, rs in runs.items()
+                            if "speculative" in name},
         "self_speculative_best": self_best, "self_speculative_speedup": tps[self_best] / tps["greedy"],
         "early_exit": {
             "threshold": threshold, "calibration_agreement": calib_agreement,
