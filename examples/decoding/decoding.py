@@ -317,6 +317,7 @@ class Runner:
     def forward(self, tokens: Sequence[int], cache: KVCache) -> torch.Tensor:
         """Logits ``[T, vocab]`` for *tokens* appended at ``cache.length`` (all layers)."""
         start = cache.length
+        self._tables(start + len(tokens))
         x = self.embed[torch.tensor(tokens, dtype=torch.long)].unsqueeze(0)
         for i in range(self.depth):
             x = self.layer(i, x, start, cache)
