@@ -27,7 +27,7 @@ def kernel(daemon: Client, monkeypatch: pytest.MonkeyPatch) -> Iterator[KernelMa
     decoding.build(MODELS)  # here, not in the notebook's first cell (nbclient's cell timeout)
     monkeypatch.setenv("JUPYTER_PLATFORM_DIRS", "1")
     env = dict(os.environ)
-    env.update({"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "MPLBACKEND": "agg",
+    env.update({"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
                 "OVERMIND_LAB_EXAMPLE_MODELS": str(MODELS),
                 "OVERMIND_LAB_SOCKET": str(daemon.path)})
     km = KernelManager(kernel_name="python3")
@@ -41,8 +41,13 @@ def kernel(daemon: Client, monkeypatch: pytest.MonkeyPatch) -> Iterator[KernelMa
 def execute(km: KernelManager) -> dict[str, Any]:
     """Run the notebook in *km*'s kernel (left running); return its cells by tag."""
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    NotebookClient(nb, km=km, timeout=600,
-                   resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+    client = NotebookClient(nb, km=km, timeout=600,
+                            resources={"metadata": {"path": str(NOTEBOOK.parent)}})
+    try:
+        client.execute()
+    finally:
+        if client.kc is not None:  # the kernel is ours (km=): nbclient leaves its channels open
+            client.kc.stop_channels()
     return {cell.metadata["tags"][0]: cell for cell in nb.cells if cell.metadata.get("tags")}
 
 
