@@ -11,7 +11,13 @@ JLPM := $(VENV)/bin/jlpm
 # local disk: a bare `torch` requirement would pull a multi-GB CUDA build.
 CONSTRAINTS := constraints.txt
 INSTALLED := $(VENV)/.installed
-BUILD_INPUTS := pyproject.toml $(CONSTRAINTS) CMakeLists.txt $(wildcard native/*) \
+# The editable install maps each module to its file when it is built: a module added, moved
+# or removed needs a reinstall. This list changes only then, and $(INSTALLED) depends on it.
+MODULE_LIST := $(VENV)/.modules
+$(shell mkdir -p $(VENV) && find overmind_lab -name '*.py' -not -path '*/labextension/*' | sort \
+	> $(MODULE_LIST).new && { cmp -s $(MODULE_LIST).new $(MODULE_LIST) \
+	&& rm $(MODULE_LIST).new || mv $(MODULE_LIST).new $(MODULE_LIST); })
+BUILD_INPUTS := pyproject.toml $(CONSTRAINTS) $(MODULE_LIST) CMakeLists.txt $(wildcard native/*) \
 	package.json yarn.lock tsconfig.json $(shell find labextension/src labextension/style \
 	labextension/schema jupyter-config -type f 2>/dev/null)
 

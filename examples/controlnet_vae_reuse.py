@@ -32,7 +32,7 @@ if importlib.util.find_spec("overmind_lab") is None:  # a checkout, not installe
 
 def build(models: Path, *, tiny: bool, dtype: str) -> dict[str, Path]:
     """The pipeline and two ControlNets on disk (built once, reused afterwards)."""
-    from overmind_lab import _models
+    from overmind_lab.bench import models as _models
 
     return {
         "sd15": _models.build_sd15_pipeline(models / "sd15", dtype=dtype, tiny=tiny),
@@ -72,7 +72,7 @@ def load(paths: dict[str, Path], dtype: str) -> tuple[Any, list[Any]]:
 def report(events: list[Any]) -> dict[str, Any]:
     """Print what happened and what the daemon holds; return it as data."""
     from overmind_lab import Client
-    from overmind_lab._format import describe_load, format_bytes, text_table
+    from overmind_lab._jupyter.display import describe_load, format_bytes, text_table
 
     for event in events:
         print(describe_load(event))

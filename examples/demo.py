@@ -109,13 +109,14 @@ def main(argv: list[str] | None = None) -> int:
         child(args.child, args.load_dtype)
         return 0
 
-    from overmind_lab import Client, _models
-    from overmind_lab._format import (
+    from overmind_lab import Client
+    from overmind_lab._jupyter.display import (
         format_bytes,
         format_seconds,
         format_speedup,
         text_table,
     )
+    from overmind_lab.bench import models as _models
 
     name = f"sd15{'-tiny' if args.tiny else ''}-{args.dtype}"
     print(f"[1/3] building the pipeline (once): {args.models / name}", flush=True)

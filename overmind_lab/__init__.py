@@ -56,16 +56,16 @@ from overmind_lab._errors import (
 # Lazily imported names: the module that defines each. Keeps `import overmind_lab`
 # (and the daemon, which imports this package) free of torch, IPython and ipywidgets.
 _LAZY = {
-    "load": "_cache", "bypass": "_cache", "refreshing": "_cache",
-    "record_loads": "_cache", "key_of": "_cache", "LoadEvent": "_cache",
-    "Client": "_client",
-    "patch_all": "_patch", "unpatch_all": "_patch", "is_patched": "_patch",
-    "get_original": "_patch",
-    "widget": "_widget",
-    "load_ipython_extension": "_magics", "unload_ipython_extension": "_magics",
-    "_jupyter_server_extension_points": "_server",
-    "_jupyter_labextension_paths": "_server",
-    "_load_jupyter_server_extension": "_server",
+    "load": "_client.load", "bypass": "_client.load", "refreshing": "_client.load",
+    "record_loads": "_client.load", "key_of": "_client.load", "LoadEvent": "_client.load",
+    "Client": "_client.client",
+    "patch_all": "_jupyter.patch", "unpatch_all": "_jupyter.patch", "is_patched": "_jupyter.patch",
+    "get_original": "_jupyter.patch",
+    "widget": "_jupyter.widget",
+    "load_ipython_extension": "_jupyter.magics", "unload_ipython_extension": "_jupyter.magics",
+    "_jupyter_server_extension_points": "_jupyter.server",
+    "_jupyter_labextension_paths": "_jupyter.server",
+    "_load_jupyter_server_extension": "_jupyter.server",
 }
 
 

@@ -21,8 +21,8 @@ import json
 import sys
 from typing import Any
 
+from overmind_lab._common.sizes import format_size
 from overmind_lab._errors import DaemonUnavailable, OvermindError
-from overmind_lab._paths import format_size
 
 __all__ = ["main"]
 
@@ -30,7 +30,7 @@ NOT_RUNNING = 3
 
 
 def _client(args: argparse.Namespace) -> Any:
-    from overmind_lab._client import Client
+    from overmind_lab._client.client import Client
 
     return Client(args.socket)
 
@@ -60,7 +60,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from overmind_lab._format import ENTRY_HEADERS, entry_row, text_table
+    from overmind_lab._jupyter.display import ENTRY_HEADERS, entry_row, text_table
 
     entries = _client(args).entries()
     if args.json:
@@ -104,7 +104,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from overmind_lab._serve import serve_command
+    from overmind_lab._daemon.process import serve_command
 
     return serve_command(args)
 
@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                                             "or the per-user socket)")
         return p
 
-    from overmind_lab._serve import add_serve_arguments
+    from overmind_lab._daemon.process import add_serve_arguments
 
     add_serve_arguments(add("serve", cmd_serve, "run the cache daemon", json_flag=False))
     add("status", cmd_status, "show whether the daemon runs and what it holds")

@@ -147,6 +147,6 @@ def test_daemon_never_imports_torch(daemon: Client) -> None:
     pid = daemon.status()["pid"]
     maps = Path(f"/proc/{pid}/maps").read_text()
     assert "libtorch" not in maps and "_native" not in maps
-    proc = run_py("import sys, overmind_lab, overmind_lab.cli, overmind_lab._daemon; "
+    proc = run_py("import sys, overmind_lab, overmind_lab.cli, overmind_lab._daemon.server; "
                   "import json; print(json.dumps('torch' in sys.modules))")
     assert last_json(proc) is False

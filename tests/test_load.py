@@ -21,7 +21,7 @@ from tests.conftest import last_json, run_py, save_tiny_unet
 LOAD_UNET = """
 import json, sys, os, hashlib, torch, overmind_lab
 from diffusers import UNet2DConditionModel
-from overmind_lab._segments import find_mapping
+from overmind_lab._client.segments import find_mapping
 with overmind_lab.record_loads() as events:
     unet = overmind_lab.load(UNet2DConditionModel.from_pretrained, {path!r})
 sd = unet.state_dict()
@@ -306,7 +306,7 @@ def test_tensors_of_a_cached_object_are_referenced_not_copied(daemon: Client) ->
 def test_tokenizer_round_trip_is_exact(daemon: Client, tmp_path: Path) -> None:
     from transformers import CLIPTokenizer
 
-    from overmind_lab._models import build_tokenizer
+    from overmind_lab.bench.models import build_tokenizer
 
     build_tokenizer(tmp_path / "tok")
     plain = CLIPTokenizer.from_pretrained(tmp_path / "tok")

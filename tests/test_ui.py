@@ -147,7 +147,7 @@ def lab(tmp_path: Path, daemon: Client) -> Iterator[dict[str, Any]]:
     config = tmp_path / "config"
     config.mkdir()
     (config / "jupyter_server_config.json").write_text(json.dumps({
-        "ServerApp": {"jpserver_extensions": {"overmind_lab._server": True}},
+        "ServerApp": {"jpserver_extensions": {"overmind_lab._jupyter.server": True}},
     }))
     # No "receive Jupyter news?" toast over the screenshots.
     (config / "labconfig").mkdir()

@@ -12,8 +12,8 @@ from diffusers import UNet2DConditionModel
 
 import overmind_lab
 from overmind_lab import Client
-from overmind_lab._format import format_bytes
-from overmind_lab._widget import OvermindPanel
+from overmind_lab._jupyter.display import format_bytes
+from overmind_lab._jupyter.widget import OvermindPanel
 from tests import loaders
 
 

@@ -107,7 +107,7 @@ def needed_models(names: list[str]) -> list[str]:
 _BUILD_SCRIPT = """
 import json, sys, time
 import torch
-from overmind_lab import _models
+from overmind_lab.bench import models as _models
 spec = json.loads(sys.argv[1])
 out = {}
 for key, (path, dtype) in spec["models"].items():

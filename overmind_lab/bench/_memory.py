@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["meminfo", "pss_bytes", "read_smaps_rollup", "warm_page_cache"]
+__all__ = ["pss_bytes", "read_smaps_rollup", "warm_page_cache"]
 
 _CHUNK = 8 << 20
 
@@ -37,21 +37,6 @@ def pss_bytes(pid: int) -> int | None:
     """PSS of *pid* in bytes, or ``None`` when it cannot be read."""
     value = read_smaps_rollup(pid).get("Pss")
     return value
-
-
-def meminfo() -> dict[str, int]:
-    """``/proc/meminfo`` in bytes."""
-    out: dict[str, int] = {}
-    try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
-            for line in fh:
-                name, _, rest = line.partition(":")
-                parts = rest.split()
-                if parts:
-                    out[name] = int(parts[0]) * (1024 if len(parts) > 1 else 1)
-    except (OSError, ValueError):
-        pass
-    return out
 
 
 def _files(paths: Iterable[Path]) -> list[Path]:

@@ -318,7 +318,7 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
               "time with nothing else running, and each exits before the next starts. "
               f"Daemon: {'a private one on a temporary socket' if meta.get('private_daemon') else meta.get('socket')}. "
               "Models: random weights with the real Stable Diffusion 1.5 architectures "
-              "(`overmind_lab._models`).", ""]
+              "(`overmind_lab.bench.models`).", ""]
     path.write_text("\n".join(lines), encoding="utf-8")
 
 

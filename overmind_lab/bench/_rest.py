@@ -6,7 +6,7 @@ median <= 50 ms with 100 entries). Steps, all against the benchmark's daemon:
 1. one child process (``python -m overmind_lab.bench._rest ENTRIES``) stores that many
    small entries: ``overmind_lab.load(make_entry, i)`` for each ``i`` (a tiny tensor dict;
    :func:`make_entry` is importable by name, so each ``i`` is its own entry);
-2. a real ``jupyter server`` with the ``overmind_lab._server`` extension is started with
+2. a real ``jupyter server`` with the ``overmind_lab._jupyter.server`` extension is started with
    ``OVERMIND_LAB_SOCKET`` in its environment, on a free port, with a random token;
 3. after a few warm-up requests, sequential ``GET`` requests (``urllib.request``, one
    connection each, no proxy) are timed from sending to the end of the body, and every
@@ -92,7 +92,7 @@ class _Server:
         cmd = [sys.executable, "-m", "jupyter_server", "--no-browser", "--allow-root",
                f"--port={self.port}", "--ip=127.0.0.1", f"--ServerApp.token={self.token}",
                f"--ServerApp.base_url={BASE_URL}", "--ServerApp.port_retries=0",
-               "--ServerApp.jpserver_extensions={'overmind_lab._server': True}"]
+               "--ServerApp.jpserver_extensions={'overmind_lab._jupyter.server': True}"]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         with open(self.log_path, "ab") as log:

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from overmind_lab._common.naming import SOCKET_ENV
+
 __all__ = ["Child", "ChildError", "Timeouts", "child_env", "run_sequence"]
 
 
@@ -55,7 +57,7 @@ def child_env(socket: str | None) -> dict[str, str]:
         "PYTHONUNBUFFERED": "1",
     })
     if socket:
-        env["OVERMIND_LAB_SOCKET"] = socket
+        env[SOCKET_ENV] = socket
     return env
 
 

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from overmind_lab._common.naming import SOCKET_ENV
+
 __all__ = ["Daemon"]
 
 
@@ -52,7 +54,7 @@ class Daemon:
         if self.budget:
             cmd += ["--budget", self.budget]
         env = dict(os.environ)
-        env["OVERMIND_LAB_SOCKET"] = self.socket
+        env[SOCKET_ENV] = self.socket
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                          env=env, close_fds=True, start_new_session=True)

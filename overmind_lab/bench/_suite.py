@@ -18,9 +18,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from overmind_lab._common.sizes import meminfo
 from overmind_lab.bench import _cases, _report
 from overmind_lab.bench._cases import CASES, KERNEL_CASE, PSS_CASE, Case
-from overmind_lab.bench._memory import meminfo, read_smaps_rollup, warm_page_cache
+from overmind_lab.bench._memory import read_smaps_rollup, warm_page_cache
 from overmind_lab.bench._runner import (
     Child,
     ChildError,

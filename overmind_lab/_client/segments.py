@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from overmind_lab import _native
-from overmind_lab._holders import MEMFD_PREFIX
+from overmind_lab._common.naming import MEMFD_PREFIX
 
 __all__ = ["new_segment_id", "write_segment", "map_segment", "Mapping", "find_mapping",
            "prefault"]

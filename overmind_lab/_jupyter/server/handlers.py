@@ -37,11 +37,11 @@ from tornado.ioloop import IOLoop
 from traitlets import Int, Unicode
 from traitlets.config import Configurable
 
+from overmind_lab._common.sizes import available_memory, total_memory
 from overmind_lab._errors import DaemonUnavailable, OvermindError, UnknownEntry
-from overmind_lab._paths import available_memory, total_memory
 
 if TYPE_CHECKING:
-    from overmind_lab._client import Client
+    from overmind_lab._client.client import Client
 
 __all__ = ["API_PREFIX", "OvermindLab", "setup_handlers"]
 
@@ -81,7 +81,7 @@ class OvermindLab(Configurable):
     def client(self) -> Client:
         # A client per call: it reads OVERMIND_LAB_SOCKET when built and holds no
         # connection between calls, and the handlers run in several threads.
-        from overmind_lab._client import Client
+        from overmind_lab._client.client import Client
 
         return Client(socket_path=self.socket_path)
 

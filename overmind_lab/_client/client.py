@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from overmind_lab._common.naming import SOCKET_ENV, socket_path
+from overmind_lab._common.protocol import Channel
 from overmind_lab._errors import DaemonUnavailable, ProtocolError, UnknownEntry
-from overmind_lab._paths import SOCKET_ENV, socket_path
-from overmind_lab._protocol import Channel
 
 __all__ = ["Client", "Session"]
 

@@ -19,11 +19,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from overmind_lab import _keys
-from overmind_lab._client import Client, Session
+from overmind_lab._client import keys as _keys
+from overmind_lab._client.client import Client, Session
+from overmind_lab._client.pickling import dump, load_stream
+from overmind_lab._client.segments import map_segment, new_segment_id, write_segment
 from overmind_lab._errors import NotCacheable, OvermindError, OvermindWarning
-from overmind_lab._pickling import dump, load_stream
-from overmind_lab._segments import map_segment, new_segment_id, write_segment
 
 __all__ = ["load", "bypass", "refreshing", "record_loads", "LoadEvent", "key_of"]
 

@@ -27,8 +27,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "overmind_lab.widget() needs ipywidgets: pip install 'overmind-lab[jupyter]'"
     ) from exc
 
-from ._errors import OvermindError, UnknownEntry
-from ._format import (
+from overmind_lab._errors import OvermindError, UnknownEntry
+from overmind_lab._jupyter.display import (
     format_ago,
     format_bytes,
     format_seconds,
@@ -120,7 +120,7 @@ class OvermindPanel(w.VBox):  # type: ignore[misc]
 
     def __init__(self, *, client: Any = None, interval: float | None = 2.0) -> None:
         if client is None:
-            from ._client import Client
+            from overmind_lab._client.client import Client
 
             client = Client()
         self.client = client

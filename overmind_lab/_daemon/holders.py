@@ -11,9 +11,10 @@ from __future__ import annotations
 import os
 import time
 
-__all__ = ["MEMFD_PREFIX", "HolderScanner"]
+from overmind_lab._common.naming import MEMFD_PREFIX
 
-MEMFD_PREFIX = "overmind-lab:"
+__all__ = ["HolderScanner"]
+
 _MARK = "/memfd:" + MEMFD_PREFIX
 
 

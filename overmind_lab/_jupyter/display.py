@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ._paths import format_size
+from overmind_lab._common.sizes import format_size
 
 __all__ = [
     "StatusReport",

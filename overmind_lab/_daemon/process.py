@@ -18,25 +18,24 @@ import socket
 import sys
 from pathlib import Path
 
-from overmind_lab._daemon import Daemon, default_budget
-from overmind_lab._paths import ensure_private_dir, parse_size, runtime_dir, socket_path
+from overmind_lab._common.naming import (
+    ensure_private_dir,
+    lock_path,
+    log_path,
+    runtime_dir,
+    socket_path,
+)
+from overmind_lab._common.sizes import parse_size
+from overmind_lab._daemon.server import Daemon, default_budget
 
 __all__ = ["run", "detach", "main", "add_serve_arguments", "serve_command", "log_path"]
 
 log = logging.getLogger("overmind_lab.daemon")
 
 
-def _lock_path(path: Path) -> Path:
-    return path.with_name(path.name + ".lock")
-
-
-def log_path(path: Path) -> Path:
-    return path.with_name(path.name + ".log")
-
-
 def _take_lifetime_lock(path: Path) -> int | None:
     """The daemon's own lock: held for its whole life, proves a socket is not stale."""
-    fd = os.open(_lock_path(path), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = os.open(lock_path(path), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
@@ -81,7 +80,7 @@ def run(path: Path, budget: int, ready_fd: int | None = None) -> int:
         return 0
     sock = _bind(path)
     daemon = Daemon(path, budget)
-    from overmind_lab import _refresh
+    from overmind_lab._daemon import refresh as _refresh
 
     _refresh.attach(daemon)
     if ready_fd is not None:

@@ -69,7 +69,7 @@ from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
-from ._errors import OvermindWarning
+from overmind_lab._errors import OvermindWarning
 
 __all__ = [
     "get_original",

@@ -27,8 +27,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from overmind_lab._client.segments import Mapping, find_mapping
 from overmind_lab._errors import NotCacheable
-from overmind_lab._segments import Mapping, find_mapping
 
 __all__ = ["WritePlan", "dump", "load_stream", "ALIGN"]
 

@@ -33,15 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from overmind_lab import __version__
-from overmind_lab._holders import HolderScanner
-from overmind_lab._index import Entry, Index, Segment, TooLarge
-from overmind_lab._paths import (
-    BUDGET_ENV,
-    available_memory,
-    parse_size,
-    total_memory,
-)
-from overmind_lab._protocol import AsyncChannel
+from overmind_lab._common.naming import BUDGET_ENV
+from overmind_lab._common.protocol import AsyncChannel
+from overmind_lab._common.sizes import available_memory, parse_size, total_memory
+from overmind_lab._daemon.holders import HolderScanner
+from overmind_lab._daemon.index import Entry, Index, Segment, TooLarge
 
 __all__ = ["Daemon", "default_budget", "peer_credentials"]
 

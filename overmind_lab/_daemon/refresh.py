@@ -8,7 +8,7 @@ old entry if the key changed; processes that still map the old version keep it. 
 whose call cannot be replayed is evicted, and the refresh says so.
 
 The daemon side (:class:`Refresher`) imports only the standard library; the worker side
-(``python -m overmind_lab._refresh``) imports the model libraries.
+(``python -m overmind_lab._client.refresh_worker``) imports the model libraries.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import os
 import sys
 import time
 from typing import Any
+
+from overmind_lab._common.naming import SOCKET_ENV
 
 __all__ = ["attach", "Refresher"]
 
@@ -65,12 +67,12 @@ class Refresher:
     async def _run(self, entry: Any) -> None:
         call = entry.call
         env = dict(os.environ)
-        env["OVERMIND_LAB_SOCKET"] = str(self.daemon.path)
+        env[SOCKET_ENV] = str(self.daemon.path)
         env["PYTHONPATH"] = os.pathsep.join(call.get("sys_path", []))
         started = time.monotonic()
         try:
             proc = await asyncio.create_subprocess_exec(
-                call.get("python") or sys.executable, "-m", "overmind_lab._refresh",
+                call.get("python") or sys.executable, "-m", "overmind_lab._client.refresh_worker",
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE, cwd=call.get("cwd") or "/", env=env)
             out, err = await asyncio.wait_for(
@@ -110,45 +112,3 @@ def _last_json(out: bytes) -> dict[str, Any]:
         if isinstance(value, dict):
             return value
     return {}
-
-
-# -- worker -----------------------------------------------------------------------------
-def _import_callable(path: str) -> Any:
-    import importlib
-
-    module_name, _, qual = path.partition(":")
-    obj: Any = importlib.import_module(module_name)
-    for part in qual.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def worker() -> int:
-    request = json.load(sys.stdin)
-    call = request["call"]
-    for p in reversed(call.get("sys_path", [])):
-        if p not in sys.path:
-            sys.path.insert(0, p)
-    try:
-        from overmind_lab._cache import load, record_loads, refreshing
-        from overmind_lab._keys import revive
-
-        fn = _import_callable(call["callable"])
-        args = revive(call.get("args", []))
-        kwargs = revive(call.get("kwargs", {}))
-        with refreshing(), record_loads() as events:
-            load(fn, *args, **kwargs)
-    except Exception as exc:  # reported to the daemon, which shows it to the user
-        print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}))
-        return 1
-    outcome = events[-1] if events else None
-    if outcome is None or outcome.outcome != "cold":
-        reason = outcome.reason if outcome else "nothing was loaded"
-        print(json.dumps({"ok": False, "error": f"the new version was not cached: {reason}"}))
-        return 1
-    print(json.dumps({"ok": True, "key": outcome.key, "seconds": outcome.seconds}))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(worker())

@@ -1,0 +1,64 @@
+"""Names both sides agree on: where the daemon lives, environment variables, segment names.
+
+The socket sits in a 0700 per-user directory: ``$XDG_RUNTIME_DIR/overmind-lab/`` when that
+is set and usable, else ``/tmp/overmind-lab-<uid>/``. ``OVERMIND_LAB_SOCKET`` overrides the
+socket path (tests, benchmarks, several caches side by side).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+__all__ = [
+    "SOCKET_ENV", "BUDGET_ENV", "MEMFD_PREFIX",
+    "socket_path", "runtime_dir", "ensure_private_dir", "lock_path", "log_path",
+]
+
+SOCKET_ENV = "OVERMIND_LAB_SOCKET"
+BUDGET_ENV = "OVERMIND_LAB_BUDGET"
+#: Every segment is a memfd named ``overmind-lab:<segment id>``: the daemon finds holders by it.
+MEMFD_PREFIX = "overmind-lab:"
+
+
+def runtime_dir() -> Path:
+    """The per-user directory that holds the default socket, lock and log."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg) and os.access(xdg, os.W_OK | os.X_OK):
+        return Path(xdg) / "overmind-lab"
+    return Path(tempfile.gettempdir()) / f"overmind-lab-{os.getuid()}"
+
+
+def socket_path(override: str | os.PathLike[str] | None = None) -> Path:
+    """The daemon socket: ``override``, else ``$OVERMIND_LAB_SOCKET``, else the default."""
+    if override is not None:
+        return Path(override)
+    env = os.environ.get(SOCKET_ENV)
+    if env:
+        return Path(env)
+    return runtime_dir() / "daemon.sock"
+
+
+def ensure_private_dir(path: Path) -> None:
+    """Create ``path`` as a 0700 directory owned by us, or refuse one that is not."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise PermissionError(
+            f"{path} is not a directory owned by uid {os.getuid()}; "
+            f"remove it or set {SOCKET_ENV} to a socket path in a directory you own"
+        )
+    if stat.S_IMODE(st.st_mode) & 0o077 and path.name.startswith("overmind-lab"):
+        os.chmod(path, 0o700)
+
+
+def lock_path(socket: Path) -> Path:
+    """The daemon's lifetime lock beside its socket (``Note [Lifetime lock]``)."""
+    return socket.with_name(socket.name + ".lock")
+
+
+def log_path(socket: Path) -> Path:
+    """The detached daemon's log beside its socket."""
+    return socket.with_name(socket.name + ".log")
