@@ -190,8 +190,8 @@ def _safe_hash(obj: Any) -> int | None:
         return None
 
 
-def rebuild_rehashed(cls: type, state: dict[str, Any], current: bool) -> Any:
-    obj = cls.__new__(cls)
+def rebuild_rehashed(cls: type[Any], state: dict[str, Any], current: bool) -> Any:
+    obj = object.__new__(cls)  # a plain instance, as pickle makes one (copyreg.__newobj__)
     obj.__dict__.update(state)
     if current:
         obj._original_object_hash = _safe_hash(obj)
