@@ -69,7 +69,7 @@ PEER_DIR := .peer
 PEER_SRC := $(PEER_DIR)/transformers-$(PEER_VERSION)
 PEER_TESTS := peer/test_peer_llama.py peer/test_peer_gpt2.py peer/test_peer_bert.py
 PEER_ARGS ?=
-PEER_PYTEST := cd $(PEER_SRC) && HF_HUB_OFFLINE=1 PYTHONPATH=$(CURDIR)/peer \
+PEER_PYTEST := cd $(PEER_SRC) && HF_HUB_OFFLINE=1 PYTHONPATH=$(CURDIR)/$(PEER_SRC):$(CURDIR)/peer \
 	$(CURDIR)/$(PY) -m pytest -c $(CURDIR)/peer/pytest.ini -q -p no:randomly \
 	$(addprefix $(CURDIR)/,$(PEER_TESTS))
 

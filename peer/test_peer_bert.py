@@ -22,12 +22,18 @@ class BertTester:
         self.seq_length = seq_length
         self.vocab_size = 99
         self.num_labels = 3
+        self.type_sequence_label_size = 2
+        self.is_training = True
+        self.hidden_size = 32
+        self.num_hidden_layers = 2
+        self.num_attention_heads = 4
+        self.intermediate_size = 37
 
     def get_config(self):
         return BertConfig(
             vocab_size=self.vocab_size, hidden_size=32, num_hidden_layers=2,
             num_attention_heads=4, intermediate_size=37, max_position_embeddings=512,
-            type_vocab_size=16, num_labels=self.num_labels,
+            type_vocab_size=16,
         )
 
     def prepare_config_and_inputs_for_common(self):

@@ -20,12 +20,18 @@ class GPT2Tester:
         self.seq_length = seq_length
         self.vocab_size = 99
         self.num_labels = 3
+        self.type_sequence_label_size = 2
+        self.is_training = True
+        self.hidden_size = 32
+        self.num_hidden_layers = 2
+        self.num_attention_heads = 4
+        self.intermediate_size = 37
 
     def get_config(self):
         return GPT2Config(
             vocab_size=self.vocab_size, n_embd=32, n_layer=2, n_head=4, n_inner=37,
             n_positions=512, pad_token_id=self.vocab_size - 1, bos_token_id=self.vocab_size - 1,
-            eos_token_id=self.vocab_size - 1, num_labels=self.num_labels,
+            eos_token_id=self.vocab_size - 1,
         )
 
     def prepare_config_and_inputs_for_common(self):
