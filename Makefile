@@ -88,6 +88,6 @@ peer-deps: install
 
 peer-test: peer-deps $(PEER_SRC)/tests/test_modeling_common.py
 	$(PEER_PYTEST) --junitxml=$(CURDIR)/$(PEER_DIR)/plain.xml || true
-	OVERMIND_PEER_STATS=$(CURDIR)/$(PEER_DIR)/stats.json $(PEER_PYTEST) -p overmind_peer \
+	export OVERMIND_PEER_STATS=$(CURDIR)/$(PEER_DIR)/stats.json && $(PEER_PYTEST) -p overmind_peer \
 		$(PEER_ARGS) --junitxml=$(CURDIR)/$(PEER_DIR)/warm.xml || true
 	$(PY) peer/compare.py $(PEER_DIR)/plain.xml $(PEER_DIR)/warm.xml $(PEER_DIR)/stats.json
