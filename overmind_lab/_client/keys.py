@@ -301,11 +301,28 @@ _ATTENTION_PACKAGES = ("flash_attn", "flash_attn_interface", "kernels", "xformer
 
 
 def _versions(qualname: str) -> dict[str, str]:
-    out = {"python": sys.version.split()[0], "format": str(FORMAT_VERSION)}
-    for lib in {*_VERSIONED, qualname.split(".")[0]}:
-        mod = sys.modules.get(lib)
-        if mod is not None:
-            out[lib] = str(getattr(mod, "__version__", "?"))
+    out = {"python": sys.version.split()[0], "format": str(FORMAT_VERSION),
+           **_installed_versions()}
+    top = qualname.split(".")[0]
+    mod = sys.modules.get(top)
+    if top not in out and mod is not None:
+        out[top] = str(getattr(mod, "__version__", "?"))
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _installed_versions() -> dict[str, str]:
+    # From the installed metadata, not from what happens to be imported: a refresh
+    # worker that imported less must compute the same key. Read once per process, as
+    # the code a process runs does not change when a package is upgraded under it.
+    from importlib import metadata
+
+    out = {}
+    for dist in _VERSIONED:
+        try:
+            out[dist] = metadata.version(dist.replace("_", "-"))
+        except metadata.PackageNotFoundError:
+            pass
     return out
 
 
