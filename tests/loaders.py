@@ -59,3 +59,26 @@ def load_named_file(name: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(os.environ["OVERMIND_LAB_TEST_FILE"])
+
+
+def noisy_load(n: int) -> torch.Tensor:
+    """A loader that warns and logs, as libraries do ("Some weights of ... were not ...")."""
+    import logging
+    import warnings
+
+    warnings.warn(f"noisy_load: {n} values are made up", UserWarning, stacklevel=2)
+    logging.getLogger("transformers.modeling_utils").warning("noisy_load logged %d", n)
+    return torch.ones(n)
+
+
+#: A knob that ``scaled_load`` reads but its key cannot see: changing it between two
+#: loads is a difference that only verify mode can catch.
+HIDDEN_SCALE = [1.0]
+
+
+def scaled_load(n: int) -> torch.Tensor:
+    return torch.full((n,), HIDDEN_SCALE[0])
+
+
+def failing_load(path: str, option: object = None) -> torch.Tensor:
+    raise ValueError(f"cannot load {path}")

@@ -24,6 +24,7 @@ import json
 import os
 import pickle
 import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -236,7 +237,21 @@ def dump(obj: Any, components: dict[int, str] | None = None, *,
         file = io.BytesIO()
         try:
             base = pickle.Pickler if kind == "pickle" else _dill().Pickler
-            _make_pickler(base, file, plan, components or {}).dump(obj)
+            pickler = _make_pickler(base, file, plan, components or {})
+            if kind == "pickle":
+                pickler.dump(obj)
+            else:
+                # Note [Classes by reference]: dill would pickle a class it cannot find by
+                # name (one defined inside a function) by value; a hit would then rebuild
+                # a copy of the class and ``isinstance(model, TinyNet)`` would be False.
+                # Classes go by reference, as with plain pickle: such a result cannot be
+                # pickled, and is returned uncached. Functions and lambdas still go by
+                # value, which keeps their behaviour.
+                pickler._byref = True
+                with warnings.catch_warnings():
+                    # dill warns about each class it cannot find by name, then fails on it
+                    warnings.simplefilter("ignore", _dill().PicklingWarning)
+                    pickler.dump(obj)
             return file.getvalue(), plan, kind
         except (pickle.PicklingError, TypeError, AttributeError, ValueError) as exc:
             errors.append(exc)
