@@ -27,6 +27,7 @@ Requests (JSON frames, see ``_protocol``), one connection may send several:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -453,7 +454,12 @@ class Daemon:
 
     async def _verify_all(self) -> None:
         """After a restart, check saved segments most recently used first (this also
-        reads them into the page cache after a reboot)."""
+        reads them into the page cache after a reboot; linked source files, which are not
+        checksummed, are read ahead by the kernel)."""
+        for seg in self.index.segments.values():
+            if seg.tier == "link":
+                with contextlib.suppress(OSError):
+                    os.posix_fadvise(seg.fd, 0, 0, os.POSIX_FADV_WILLNEED)
         for entry in reversed(list(self.index.entries.values())):
             if entry.key in self.index.entries:
                 await self._verified(entry)
