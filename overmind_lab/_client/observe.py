@@ -178,11 +178,19 @@ def _category(name: str) -> type[Warning]:
     return obj if isinstance(obj, type) and issubclass(obj, Warning) else UserWarning
 
 
+#: Per source file, the registry that ``warn_explicit`` uses for "show once per
+#: location" filters (the default): a warning replayed by every hit shows as often as the
+#: same warning raised by repeated plain loads in one process.
+_registries: dict[str, dict[Any, Any]] = {}
+
+
 def replay(observed: Observed) -> None:
     """Emit what the cold load emitted: its warnings, then its log records."""
     for w in observed.warnings:
+        filename = str(w.get("filename", ""))
         warnings.warn_explicit(str(w["message"]), _category(str(w["category"])),
-                               str(w.get("filename", "")), int(w.get("lineno", 0)))
+                               filename, int(w.get("lineno", 0)),
+                               registry=_registries.setdefault(filename, {}))
     for r in observed.logs:
         record = logging.makeLogRecord({**r, "args": None})
         logging.getLogger(str(r["name"])).handle(record)

@@ -188,6 +188,32 @@ def rebuild_tokenizer(stub: str, vocab: dict[str, int], merges: list[tuple[str, 
     return tok
 
 
+# Note [Hashes of strings]: transformers' GenerationConfig records ``hash(self)`` (a hash
+# of its JSON text) when it is loaded, and later compares it with ``hash(self)`` to tell
+# whether the user changed it (``generate`` then acts differently). String hashes are
+# salted per process, so a recorded hash unpickled in another process never matches: a
+# warm hit would look modified. An object whose recorded hash was current when it was
+# pickled gets it recomputed when it is rebuilt, as a plain load would compute it.
+def reduce_rehashed(obj: Any, state: dict[str, Any]) -> tuple[Any, ...]:
+    current = state.get("_original_object_hash") == _safe_hash(obj)
+    return (rebuild_rehashed, (type(obj), dict(state), current))
+
+
+def _safe_hash(obj: Any) -> int | None:
+    try:
+        return hash(obj)
+    except TypeError:
+        return None
+
+
+def rebuild_rehashed(cls: type[Any], state: dict[str, Any], current: bool) -> Any:
+    obj = object.__new__(cls)  # a plain instance, as pickle makes one (copyreg.__newobj__)
+    obj.__dict__.update(state)
+    if current:
+        obj._original_object_hash = _safe_hash(obj)
+    return obj
+
+
 def _make_pickler(base: type, file: io.BytesIO, plan: WritePlan,
                   components: dict[int, str]) -> Any:
     import torch
@@ -199,6 +225,9 @@ def _make_pickler(base: type, file: io.BytesIO, plan: WritePlan,
                 return reduce_tensor(obj, cls is torch.nn.Parameter)
             if cls.__module__ == "tokenizers" and cls.__name__ == "Tokenizer":
                 return reduce_tokenizer(obj)
+            state = getattr(obj, "__dict__", None)
+            if isinstance(state, dict) and "_original_object_hash" in state:
+                return reduce_rehashed(obj, state)
             return NotImplemented
 
         def persistent_id(self, obj: Any) -> Any:

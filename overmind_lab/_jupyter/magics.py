@@ -96,15 +96,16 @@ class OvermindMagics(Magics):
         """
         options, statement = _split_options(line)
         args = parse_argstring(self.overmind_load, options)
-        if args.cold and (args.refresh or args.verify):
-            other = "--refresh" if args.refresh else "--verify"
-            raise UsageError(
-                f"--cold and {other} exclude each other: --cold skips the cache."
-            )
-        if args.refresh and args.verify:
+        if args.cold and args.refresh:
             raise UsageError(
                 "--cold and --refresh exclude each other: --cold skips the cache, "
                 "--refresh replaces its entries."
+            )
+        if args.verify and (args.cold or args.refresh):
+            other = "--cold" if args.cold else "--refresh"
+            raise UsageError(
+                f"--verify and {other} exclude each other: --verify checks warm hits "
+                f"against a plain load, and {other} makes no warm hit."
             )
         if cell is not None and statement:
             raise UsageError(
