@@ -54,6 +54,13 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"socket       {status['socket']}")
         print(f"cached       {format_size(status['cached_bytes'])} in {status['entries']} "
               f"entries, budget {format_size(status['budget_bytes'])}")
+        tier = status.get("tier", "memfd")
+        where = (f"files in {status.get('cache_dir')}" if tier == "file" else
+                 f"memory (memfd tier: {status.get('tier_reason') or 'fallback'})")
+        print(f"tier         {where}")
+        print(f"disk         {format_size(status.get('disk_bytes', 0))} on disk, "
+              f"{format_size(status.get('memfd_bytes', 0))} in memfds, "
+              f"{format_size(status.get('resident_bytes', 0))} resident in memory")
         print(f"evicted      {format_size(status['evicted_mapped_bytes'])} still mapped "
               "by processes")
         print(f"memory       {format_size(status['memory_available_bytes'])} available of "

@@ -19,13 +19,15 @@ from overmind_lab import Client
 
 @pytest.fixture
 def sock_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A private socket path (short: Unix sockets allow 108 bytes), set for children too.
+    """A private socket path (short: Unix sockets allow 108 bytes), set for children too,
+    and a private cache directory beside it (``OVERMIND_LAB_CACHE_DIR``).
 
     Any daemon started on it is stopped at teardown.
     """
     with tempfile.TemporaryDirectory(prefix="olt-", dir="/tmp") as d:
         path = Path(d) / "d.sock"
         monkeypatch.setenv("OVERMIND_LAB_SOCKET", str(path))
+        monkeypatch.setenv("OVERMIND_LAB_CACHE_DIR", str(Path(d) / "cache"))
         yield path
         Client(path).stop()
 

@@ -49,6 +49,19 @@ def borrow(component: torch.nn.Module, extra: int) -> dict[str, Any]:
     return {"weight": component.weight, "own": torch.zeros(extra)}
 
 
+def load_named_file(name: str) -> dict[str, torch.Tensor]:
+    """The safetensors file ``$OVERMIND_LAB_TEST_FILE`` as is (mapped, not copied).
+
+    Its key does not cover the file (``name`` is no path), so only the daemon's check of
+    the referenced file can tell that the file changed.
+    """
+    import os
+
+    from safetensors.torch import load_file
+
+    return load_file(os.environ["OVERMIND_LAB_TEST_FILE"])
+
+
 def noisy_load(n: int) -> torch.Tensor:
     """A loader that warns and logs, as libraries do ("Some weights of ... were not ...")."""
     import logging

@@ -113,18 +113,22 @@ def test_quick_bench_end_to_end(tmp_path: Path) -> None:
 
     for name in ("unet-fp16", "text-encoder", "pipeline-fp32-as-fp16"):
         case = results["cases"][name]
-        for mode, outcome in (("plain", "plain"), ("first", "cold"), ("warm", "warm")):
+        for mode, outcome in (("plain", "plain"), ("first", "cold"), ("warm", "warm"),
+                              ("restart", "warm"), ("plain-cold", "plain"),
+                              ("reboot", "warm")):
             runs = case["runs"][mode]
             assert len(runs) == 2
             assert all("error" not in r for r in runs), runs
             assert [r["outcome"] for r in runs] == [outcome] * 2
             assert all(r["load_seconds"] > 0 and r["import_seconds"] > 0 for r in runs)
             assert case["stats"][mode]["load"]["n"] == 2
-        assert len({r["pid"] for mode in case["runs"] for r in case["runs"][mode]}) == 6, \
+        assert len({r["pid"] for mode in case["runs"] for r in case["runs"][mode]}) == 12, \
             "every measurement runs in its own process"
         assert case["check"]["passed"] is True, case["check"]
         assert all(case["check"]["checks"].values())
         assert case["ratios"]["warm_over_plain"] is not None
+        assert case["ratios"]["restart_total_over_plain"] is not None
+        assert case["ratios"]["reboot_total_over_plain_cold"] is not None
         assert case["entry"] is not None and case["entry"]["hits"] >= 1
 
     assert results["cases"]["pipeline-fp32-as-fp16"]["check"]["components"] >= 5
@@ -151,6 +155,7 @@ def test_quick_bench_end_to_end(tmp_path: Path) -> None:
     md = (out / "results.md").read_text(encoding="utf-8")
     assert "| target | measured | limit |" in md
     assert "UNet fp16 -> fp16" in md and "Quick run on tiny models" in md
+    assert "## Load and first touch" in md
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     print(f"quick bench: {elapsed:.0f} s")

@@ -208,6 +208,26 @@ function MemoryBar({ status }: { status: IStatus }): JSX.Element {
           cache <strong>{formatBytes(cached)}</strong>
           {status.budget_bytes !== undefined && <> / {formatBytes(status.budget_bytes)} budget</>}
         </span>
+        {status.running && status.tier !== undefined && (
+          <span
+            className="jp-OvermindLab-tier"
+            title={
+              status.tier === 'file'
+                ? `Segment files in ${status.cache_dir ?? '?'}: they survive restarts; the ` +
+                  'kernel may reclaim their pages under memory pressure'
+                : `In memory (memfd tier): ${status.tier_reason ?? ''}`
+            }
+          >
+            {status.tier === 'file' ? (
+              <>
+                {formatBytes(status.disk_bytes ?? 0)} on disk,{' '}
+                {formatBytes(status.resident_bytes ?? 0)} resident
+              </>
+            ) : (
+              <>in memory (memfd tier), {formatBytes(status.resident_bytes ?? 0)} resident</>
+            )}
+          </span>
+        )}
         {otherBytes !== null && (
           <span>
             <span className="jp-OvermindLab-swatch jp-OvermindLab-swatch-other" />

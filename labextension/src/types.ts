@@ -61,6 +61,16 @@ export interface IStatus {
   budget_bytes?: number;
   cached_bytes?: number;
   evicted_mapped_bytes?: number;
+  /** Where segments live: files in `cache_dir`, or memfds (the fallback tier). */
+  tier?: 'file' | 'memfd';
+  tier_reason?: string;
+  cache_dir?: string | null;
+  /** Bytes of segment files (and linked source files) on disk. */
+  disk_bytes?: number;
+  /** Bytes of memfd segments. */
+  memfd_bytes?: number;
+  /** Bytes of segments now in memory (page cache or shmem). */
+  resident_bytes?: number;
   entries?: number;
   memory_total_bytes: number | null;
   memory_available_bytes: number | null;

@@ -198,6 +198,11 @@ class Session:
     def request(self, msg: dict[str, Any], fds: list[int] | None = None) -> dict[str, Any]:
         return call(self.chan, msg, fds)[0]
 
+    def call(self, msg: dict[str, Any],
+             fds: list[int] | None = None) -> tuple[dict[str, Any], list[int]]:
+        """A request whose reply carries descriptors (the caller owns them)."""
+        return call(self.chan, msg, fds)
+
     def report(self, key: str, seconds: float, *, verified: bool | None = None) -> None:
         """Tell the daemon how long a warm load took, and whether verify mode passed it
         (no reply)."""

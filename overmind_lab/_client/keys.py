@@ -53,6 +53,9 @@ class KeyInfo:
     callable: str
     source: str | None
     call: dict[str, Any] | None  # replay spec, None when the call cannot be replayed
+    #: what a restarted daemon checks before it serves the entry again: the source
+    #: signature (local sources), the library versions and the interpreter
+    validate: dict[str, Any] | None = None
 
 
 # -- objects that came from the cache ---------------------------------------------------
@@ -361,6 +364,7 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...],
     source_param = _source_param(sig)
     normalized: dict[str, Any] = {}
     source: str | None = None
+    local_signature: dict[str, Any] | None = None
     for pname, value in bound.arguments.items():
         kind = sig.parameters[pname].kind
         if pname == source_param and isinstance(value, (str, os.PathLike)):
@@ -371,16 +375,20 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...],
             normalized[pname] = {"source": sig_}
             if "local" in sig_:
                 source = sig_["local"]
+                local_signature = sig_
         elif kind is inspect.Parameter.VAR_KEYWORD:
             normalized[pname] = {k: normalize(v, k) for k, v in sorted(value.items())}
         else:
             normalized[pname] = normalize(value, pname)
+    versions = _versions(qual)
     material = {"callable": qual, "code": _code_identity(fn), "args": normalized,
-                "versions": _versions(qual), "process": _process_state()}
+                "versions": versions, "process": _process_state()}
     digest = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
     return KeyInfo(key=digest[:32], name=_display_name(qual, bound, source_param),
                    callable=qual, source=source,
-                   call=_replay_spec(import_path, args, kwargs))
+                   call=_replay_spec(import_path, args, kwargs),
+                   validate={"source": local_signature, "versions": versions,
+                             "python": sys.executable})
 
 
 def _source_param(sig: inspect.Signature) -> str | None:

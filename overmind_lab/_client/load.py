@@ -1,10 +1,11 @@
 """``load()``: a cached call, warm from shared memory when any process loaded it before.
 
 The cold load runs in this process (its libraries are already imported); the result is
-pickled with tensor bytes out of band, the bytes go into a sealed memfd handed to the
-daemon, and the caller gets the object rebuilt from that segment, exactly as any later
-process will. The cache never makes a load fail: whatever goes wrong on the cache's side,
-the caller gets the original function's result and one warning.
+pickled with tensor bytes out of band, the bytes go into a new segment the daemon created
+for it (a file in the cache directory, or a memfd), and the caller gets the object rebuilt
+from that segment, exactly as any later process will. The cache never makes a load fail:
+whatever goes wrong on the cache's side, the caller gets the original function's result
+and one warning.
 
 A hit must be indistinguishable from the plain load it replaces: the key covers every
 input (``Note [What a warm hit skips]`` in ``keys``); a load that draws random numbers is
@@ -30,8 +31,9 @@ from typing import Any, TypeVar
 from overmind_lab._client import keys as _keys
 from overmind_lab._client import observe
 from overmind_lab._client.client import Client, Session
-from overmind_lab._client.pickling import dump, load_stream
-from overmind_lab._client.segments import map_segment, new_segment_id, write_segment
+from overmind_lab._client.pickling import WritePlan, dump, load_stream
+from overmind_lab._client.segments import map_segment, write_segment
+from overmind_lab._client.sources import SourceFile, SourceMap
 from overmind_lab._errors import NotCacheable, OvermindError, OvermindWarning, VerifyMismatch
 
 __all__ = ["load", "bypass", "refreshing", "verifying", "set_verify", "record_loads",
@@ -200,7 +202,7 @@ def load(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     if client.replaced_dead_daemon:
         _warn_once(f"restart:{client.path}:{time.time()}",
                    f"the cache daemon on {client.path} had died; a new one was started "
-                   "and the cache starts empty")
+                   "(entries it had saved on disk are kept, the others load cold)")
     with session:
         return _load_with(session, fn, args, kwargs, info, start)
 
@@ -341,34 +343,49 @@ def _store(session: Session, info: _keys.KeyInfo, result: Any, cold: float,
     from overmind_lab._errors import ProtocolError
 
     t0 = time.perf_counter()
-    stream, plan, kind = dump(result, {id(v): k for k, v in components.items()})
+    by_id = {id(v): k for k, v in components.items()}
+    stream, plan, kind = dump(result, by_id, sources=SourceMap())
     expected = type(result)
-    stream_offset = plan.place(stream, len(stream))
-    refs = [m.segment_id for m in plan.refs]
     try:
-        session.request({"op": "reserve", "key": info.key, "nbytes": plan.size,
-                         "refs": refs})
+        linked = _link_sources(session, info.key, plan)
+        if len(linked) < len(plan.files):  # some cannot be linked: copy their storages
+            refused = frozenset(f.path for f in plan.files if f.path not in linked)
+            stream, plan, kind = dump(result, by_id, sources=SourceMap(), exclude=refused)
+    except ProtocolError:
+        session.request({"op": "abandon", "key": info.key})
+        raise
+    stream_offset = plan.place(stream, len(stream))
+    refs = [linked[r.path] if isinstance(r, SourceFile) else r.segment_id
+            for r in plan.refs]
+    try:
+        reply, fds = session.call({"op": "reserve", "key": info.key, "nbytes": plan.size,
+                                   "refs": refs})
     except ProtocolError as exc:
         session.request({"op": "abandon", "key": info.key})
         if exc.kind in ("too_large", "stale_reference"):
             raise NotCacheable(str(exc)) from exc
         raise
-    seg_id = new_segment_id()
-    fd = write_segment(seg_id, plan.size, plan.items)
-    plan.items.clear()
+    if len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise OvermindError(f"reserve sent {len(fds)} descriptors, 1 expected")
+    # A failure to write (a full disk) closes the session: the daemon deletes the segment.
     try:
-        meta = {"stream": [0, stream_offset, len(stream)], "pickler": kind,
-                "buffers": plan.buffers, "observed": observed.to_json()}
-        session.request({
-            "op": "store", "key": info.key, "name": info.name,
-            "class": f"{type(result).__module__}.{type(result).__qualname__}",
-            "callable": info.callable, "source": info.source, "meta": meta,
-            "segments": [{"id": seg_id, "size": plan.size}], "refs": refs,
-            "tensors": plan.tensors, "cold_seconds": cold,
-            "store_seconds": time.perf_counter() - t0, "call": info.call,
-        }, [fd])
+        write_segment(fds[0], plan.size, plan.items)
     finally:
-        os.close(fd)
+        os.close(fds[0])
+    plan.items.clear()
+    meta = {"stream": [0, stream_offset, len(stream)], "pickler": kind,
+            "buffers": plan.buffers, "observed": observed.to_json()}
+    session.request({
+        "op": "store", "key": info.key, "name": info.name,
+        "class": f"{type(result).__module__}.{type(result).__qualname__}",
+        "callable": info.callable, "source": info.source, "meta": meta,
+        "segments": [{"id": reply["segment"]["id"], "size": plan.size}], "refs": refs,
+        "tensors": plan.tensors, "cold_seconds": cold,
+        "store_seconds": time.perf_counter() - t0, "call": info.call,
+        "validate": info.validate,
+    })
     # Rebuild from the segment, as every later process will: the loader's own copy can
     # be freed, and the result carries its provenance (Note [Provenance]).
     reply, fds = session.lookup(info.key, own=True)
@@ -379,6 +396,20 @@ def _store(session: Session, info: _keys.KeyInfo, result: Any, cold: float,
         session.request({"op": "evict", "key": info.key})
         raise NotCacheable(f"it came back from the cache as {type(obj)!r}, not {expected!r}")
     return obj
+
+
+def _link_sources(session: Session, key: str, plan: WritePlan) -> dict[str, str]:
+    """Ask the daemon to link the plan's source files into the cache: path -> segment id.
+
+    Files it refuses (another file system, the memfd tier, changed meanwhile) are missing.
+    """
+    files = plan.files
+    if not files:
+        return {}
+    reply = session.request({"op": "link", "key": key,
+                             "files": [f.record() for f in files]})
+    return {f.path: str(seg["id"]) for f, seg in zip(files, reply["links"], strict=True)
+            if seg is not None}
 
 
 def _components(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from overmind_lab._client.segments import Mapping, find_mapping
+from overmind_lab._client.sources import SourceFile, SourceMap
 from overmind_lab._errors import NotCacheable
 
 __all__ = ["WritePlan", "dump", "load_stream", "ALIGN"]
@@ -45,12 +46,18 @@ def _align(n: int) -> int:
 
 @dataclass
 class WritePlan:
-    """Where each storage goes. Segment index 0 is the new segment; 1.. are references."""
+    """Where each storage goes. Segment index 0 is the new segment; 1.. are references:
+    cached segments, or source files whose unchanged regions storages are (``_sources``).
+    """
 
     size: int = 0
     items: list[tuple[int, Any]] = field(default_factory=list)
     keep_alive: list[Any] = field(default_factory=list)
-    refs: list[Mapping] = field(default_factory=list)
+    refs: list[Mapping | SourceFile] = field(default_factory=list)
+    sources: SourceMap | None = None
+    #: source files not to reference (the daemon could not link them): copy instead
+    exclude: frozenset[str] = frozenset()
+    source_bytes: int = 0
     seen: dict[tuple[int, int, str], tuple[int, int]] = field(default_factory=dict)
     buffers: list[tuple[int, int, int]] = field(default_factory=list)
     tensors: int = 0
@@ -62,7 +69,11 @@ class WritePlan:
         self.size = offset + nbytes
         return offset
 
-    def ref_index(self, mapping: Mapping) -> int:
+    @property
+    def files(self) -> list[SourceFile]:
+        return [r for r in self.refs if isinstance(r, SourceFile)]
+
+    def ref_index(self, mapping: Mapping | SourceFile) -> int:
         for i, m in enumerate(self.refs):
             if m is mapping:
                 return i + 1
@@ -85,9 +96,14 @@ class WritePlan:
             self.keep_alive.append(untyped)
         buf = (ctypes.c_char * nbytes).from_address(ptr) if nbytes else b""
         where = find_mapping(ptr, nbytes) if nbytes and device == "cpu" else None
+        source = (self.sources.find(ptr, nbytes) if where is None and nbytes
+                  and self.sources is not None and device == "cpu" else None)
         if where is not None and where[0].pristine_equal(where[1], nbytes, buf):
             placed = (self.ref_index(where[0]), where[1])
             self.shared_bytes += nbytes
+        elif source is not None and source[0].path not in self.exclude:
+            placed = (self.ref_index(source[0]), source[1])
+            self.source_bytes += nbytes
         else:
             placed = (0, self.place(buf, nbytes))
         self.seen[memo] = placed
@@ -235,14 +251,18 @@ def _make_pickler(base: type, file: io.BytesIO, plan: WritePlan,
 # (``vae=vae``) is pickled as a reference to its key, and unpickled as the very object the
 # caller passed, so ``pipe.vae is vae`` holds as it does without the cache. A hit always
 # has those objects at hand: their keys are part of the call's key.
-def dump(obj: Any, components: dict[int, str] | None = None) -> tuple[bytes, WritePlan, str]:
+def dump(obj: Any, components: dict[int, str] | None = None, *,
+         sources: SourceMap | None = None,
+         exclude: frozenset[str] = frozenset()) -> tuple[bytes, WritePlan, str]:
     """Pickle ``obj``; returns the stream, the plan of its bytes, and the pickler used.
 
-    ``components`` maps ``id()`` of objects to pickle by reference to their cache key.
+    ``components`` maps ``id()`` of objects to pickle by reference to their cache key;
+    ``sources``, when given, lets storages that are unchanged file regions be referenced
+    (except files in ``exclude``).
     """
     errors = []
     for kind in ("pickle", "dill"):
-        plan = WritePlan()
+        plan = WritePlan(sources=sources, exclude=exclude)
         file = io.BytesIO()
         try:
             base = pickle.Pickler if kind == "pickle" else _dill().Pickler

@@ -13,14 +13,26 @@ import tempfile
 from pathlib import Path
 
 __all__ = [
-    "SOCKET_ENV", "BUDGET_ENV", "MEMFD_PREFIX",
+    "SOCKET_ENV", "BUDGET_ENV", "CACHE_DIR_ENV", "MEMFD_PREFIX", "default_cache_dir",
     "socket_path", "runtime_dir", "ensure_private_dir", "lock_path", "log_path",
 ]
 
 SOCKET_ENV = "OVERMIND_LAB_SOCKET"
 BUDGET_ENV = "OVERMIND_LAB_BUDGET"
-#: Every segment is a memfd named ``overmind-lab:<segment id>``: the daemon finds holders by it.
+CACHE_DIR_ENV = "OVERMIND_LAB_CACHE_DIR"
+#: A memfd segment (the fallback tier) is named ``overmind-lab:<segment id>``: the daemon
+#: finds holders by it (segment files by their path in the cache directory).
 MEMFD_PREFIX = "overmind-lab:"
+
+
+def default_cache_dir() -> Path:
+    """``$OVERMIND_LAB_CACHE_DIR``, else ``$XDG_CACHE_HOME/overmind-lab`` (~/.cache)."""
+    env = os.environ.get(CACHE_DIR_ENV)
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "overmind-lab"
 
 
 def runtime_dir() -> Path:

@@ -1,15 +1,18 @@
 """Which processes map which segment, read from ``/proc/<pid>/maps``.
 
-A segment is a memfd named ``overmind-lab:<segment id>``; every process that maps it shows
-a line ending in ``/memfd:overmind-lab:<id> (deleted)``. The daemon asks only the processes
-that have talked to it (it learns their pids from ``SO_PEERCRED``), which keeps a scan
-cheap; results are cached for a short time so that polling UIs cost nothing.
+A memfd segment is named ``overmind-lab:<segment id>``; every process that maps it shows
+a line ending in ``/memfd:overmind-lab:<id> (deleted)``. A segment file shows as
+``<cache dir>/<id>.seg`` (or ``.tmp`` while it is finished, `` (deleted)`` once evicted).
+The daemon asks only the processes that have talked to it (it learns their pids from
+``SO_PEERCRED``), which keeps a scan cheap; results are cached for a short time so that
+polling UIs cost nothing.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 from overmind_lab._common.naming import MEMFD_PREFIX
 
@@ -18,7 +21,7 @@ __all__ = ["HolderScanner"]
 _MARK = "/memfd:" + MEMFD_PREFIX
 
 
-def segments_mapped_by(pid: int) -> set[str] | None:
+def segments_mapped_by(pid: int, marks: list[bytes]) -> set[str] | None:
     """Segment ids mapped by ``pid``; ``None`` when the process is gone or unreadable."""
     try:
         with open(f"/proc/{pid}/maps", "rb") as f:
@@ -26,20 +29,25 @@ def segments_mapped_by(pid: int) -> set[str] | None:
     except OSError:
         return None
     found: set[str] = set()
-    mark = _MARK.encode()
-    start = data.find(mark)
-    while start != -1:
-        end = data.find(b"\n", start)
-        line = data[start + len(mark): end if end != -1 else len(data)]
-        found.add(line.split(b" ", 1)[0].decode(errors="replace"))
-        start = data.find(mark, start + len(mark))
+    for mark in marks:
+        start = data.find(mark)
+        while start != -1:
+            end = data.find(b"\n", start)
+            line = data[start + len(mark): end if end != -1 else len(data)]
+            name = line.split(b" ", 1)[0].split(b".", 1)[0]
+            if name and b"/" not in name:
+                found.add(name.decode(errors="replace"))
+            start = data.find(mark, start + len(mark))
     return found
 
 
 class HolderScanner:
     """Maps segment id -> pids holding it, over the pids the daemon has seen."""
 
-    def __init__(self, ttl: float = 1.0) -> None:
+    def __init__(self, cache_dir: Path | None = None, ttl: float = 1.0) -> None:
+        self.marks = [_MARK.encode()]
+        if cache_dir is not None:
+            self.marks.append(os.fsencode(os.path.realpath(cache_dir)) + b"/")
         self.ttl = ttl
         self.pids: set[int] = set()
         self._at = 0.0
@@ -60,7 +68,7 @@ class HolderScanner:
             return self._result
         result: dict[str, set[int]] = {}
         for pid in list(self.pids):
-            segs = segments_mapped_by(pid)
+            segs = segments_mapped_by(pid, self.marks)
             if segs is None:
                 self.pids.discard(pid)
                 continue

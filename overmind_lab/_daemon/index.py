@@ -3,21 +3,27 @@
 The daemon never looks inside a segment. An entry is a key, an opaque ``meta`` object the
 client needs to rebuild the result, the segment ids it uses and its statistics. A segment
 may be used by several entries (a pipeline built from a cached VAE references the VAE's
-segment instead of copying it): segments are reference counted, and a segment's fd is
-closed when no entry uses it any more.
+segment instead of copying it): segments are reference counted, and a segment is dropped
+(its fd closed, its file deleted: ``on_drop``) when no entry uses it any more.
 
-Note [Eviction and mappings]: closing the daemon's fd never breaks a process that maps
-the segment: the kernel keeps the pages until the last mapping goes. Such segments are
-remembered in ``evicted`` so that status can report memory that is evicted but still held.
+The budget counts what segments take where they live: disk bytes for files (data, padding
+and trailer), memory bytes for memfds.
+
+Note [Eviction and mappings]: closing the daemon's fd or deleting the file never breaks a
+process that maps the segment: the kernel keeps the pages until the last mapping goes.
+Such segments are remembered in ``evicted`` so that status can report memory that is
+evicted but still held.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from overmind_lab._daemon.store import Segment, footprint
 
 __all__ = ["Segment", "Entry", "Index", "TooLarge", "WARM_HISTORY"]
 
@@ -26,14 +32,6 @@ WARM_HISTORY = 20
 
 class TooLarge(Exception):
     """An entry does not fit the budget even after evicting everything evictable."""
-
-
-@dataclass
-class Segment:
-    id: str
-    fd: int
-    size: int
-    refs: int = 0
 
 
 @dataclass
@@ -50,6 +48,8 @@ class Entry:
     cold_seconds: float
     store_seconds: float
     call: dict[str, Any] | None = None
+    #: what a restarted daemon checks: the source signature, library versions, python
+    validate: dict[str, Any] | None = None
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
     hits: int = 0
@@ -65,8 +65,10 @@ class Entry:
 
 
 class Index:
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int,
+                 on_drop: Callable[[Segment], None] | None = None) -> None:
         self.budget = budget
+        self.on_drop = on_drop
         self.entries: OrderedDict[str, Entry] = OrderedDict()
         self.segments: dict[str, Segment] = {}
         self.evicted: dict[str, int] = {}
@@ -76,11 +78,12 @@ class Index:
     # -- accounting -------------------------------------------------------------------
     @property
     def cached_bytes(self) -> int:
-        return sum(s.size for s in self.segments.values())
+        return sum(footprint(s) for s in self.segments.values())
 
     def entry_bytes(self, entry: Entry) -> tuple[int, int]:
-        own = sum(self.segments[s].size for s in entry.own if s in self.segments)
-        shared = sum(self.segments[s].size for s in entry.shared if s in self.segments)
+        own = sum(footprint(self.segments[s]) for s in entry.own if s in self.segments)
+        shared = sum(footprint(self.segments[s]) for s in entry.shared
+                     if s in self.segments)
         return own, shared
 
     # -- lookup -----------------------------------------------------------------------
@@ -148,11 +151,15 @@ class Index:
             seg.refs -= 1
             if seg.refs <= 0:
                 del self.segments[sid]
-                os.close(seg.fd)
+                if self.on_drop is not None:
+                    self.on_drop(seg)
                 self.evicted[sid] = seg.size
                 self.evicted_total += seg.size
         return entry
 
-    def close(self) -> None:
-        for key in list(self.entries):
-            self.evict(key)
+    def close(self, release: Callable[[Segment], None]) -> None:
+        """Let go of every segment (``release``: close fds; files stay for the next daemon)."""
+        for seg in self.segments.values():
+            release(seg)
+        self.segments.clear()
+        self.entries.clear()

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from overmind_lab._common.naming import (
+    default_cache_dir,
     ensure_private_dir,
     lock_path,
     log_path,
@@ -27,6 +28,7 @@ from overmind_lab._common.naming import (
 )
 from overmind_lab._common.sizes import parse_size
 from overmind_lab._daemon.server import Daemon, default_budget
+from overmind_lab._daemon.store import CacheDirRefused, check_cache_dir
 
 __all__ = ["run", "detach", "main", "add_serve_arguments", "serve_command", "log_path"]
 
@@ -68,7 +70,8 @@ def _prepare_dir(path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
 
 
-def run(path: Path, budget: int, ready_fd: int | None = None) -> int:
+def run(path: Path, budget: int, ready_fd: int | None = None,
+        cache_dir: Path | None = None) -> int:
     """Run a daemon on ``path`` until stopped. Returns the exit status."""
     _prepare_dir(path)
     lock = _take_lifetime_lock(path)
@@ -78,8 +81,13 @@ def run(path: Path, budget: int, ready_fd: int | None = None) -> int:
             os.write(ready_fd, b"running\n")
             os.close(ready_fd)
         return 0
+    try:
+        daemon = Daemon(path, budget, cache_dir or default_cache_dir())
+    except CacheDirRefused as exc:
+        print(f"overmind-lab serve: {exc}", file=sys.stderr)
+        os.close(lock)
+        return 2
     sock = _bind(path)
-    daemon = Daemon(path, budget)
     from overmind_lab._daemon import refresh as _refresh
 
     _refresh.attach(daemon)
@@ -99,7 +107,7 @@ def run(path: Path, budget: int, ready_fd: int | None = None) -> int:
     return 0
 
 
-def detach(path: Path, budget: int) -> int:
+def detach(path: Path, budget: int, cache_dir: Path | None = None) -> int:
     """Start a daemon fully detached (double fork, setsid), return once it listens."""
     _prepare_dir(path)
     read_end, write_end = os.pipe()
@@ -126,7 +134,7 @@ def detach(path: Path, budget: int) -> int:
     os.chdir("/")
     _configure_logging()
     try:
-        status = run(path, budget, ready_fd=write_end)
+        status = run(path, budget, ready_fd=write_end, cache_dir=cache_dir)
     except BaseException:
         log.exception("daemon failed")
         status = 1
@@ -149,6 +157,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                                          "the per-user runtime directory)")
     parser.add_argument("--budget", help="memory budget, e.g. 12GiB or 40%% "
                                          "(default: $OVERMIND_LAB_BUDGET or 50%% of RAM)")
+    parser.add_argument("--cache-dir", help="where segments and the index live (default: "
+                                            "$OVERMIND_LAB_CACHE_DIR or "
+                                            "$XDG_CACHE_HOME/overmind-lab)")
     parser.add_argument("--detach", action="store_true",
                         help="run in the background, detached from this terminal")
 
@@ -160,10 +171,16 @@ def serve_command(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"overmind-lab serve: {exc}", file=sys.stderr)
         return 2
+    cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    try:  # refuse an unsafe cache directory here, where the user sees why
+        check_cache_dir(cache_dir)
+    except CacheDirRefused as exc:
+        print(f"overmind-lab serve: {exc}", file=sys.stderr)
+        return 2
     if args.detach:
-        return detach(path, budget)
+        return detach(path, budget, cache_dir)
     _configure_logging()
-    return run(path, budget)
+    return run(path, budget, cache_dir=cache_dir)
 
 
 

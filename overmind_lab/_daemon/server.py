@@ -1,9 +1,10 @@
 """The per-user cache daemon: an asyncio server on a Unix socket.
 
-It holds sealed memfd segments (that *is* the cache), an index of entries, statistics and
-single-flight leases. It never imports torch or user code and never unpickles anything;
+It holds segments (that *is* the cache: read-only files in the cache directory, or sealed
+memfds, see ``store``), an index of entries saved beside them (``persist``), statistics
+and single-flight leases. It never imports torch or user code and never unpickles anything;
 it cannot be crashed by a model. Start it with ``overmind-lab serve`` or let the first
-client start it (``_serve``: lifetime lock, ``--detach``).
+client start it (``process``: lifetime lock, ``--detach``).
 
 Requests (JSON frames, see ``_protocol``), one connection may send several:
 
@@ -11,8 +12,12 @@ Requests (JSON frames, see ``_protocol``), one connection may send several:
 ``lookup {key, refresh?}``  -> ``{hit: true, entry}`` + segment fds, or ``{lease: true}``
                                (you load it), after ``{wait: true}`` and keep-alives while
                                another process loads the same key (single flight)
-``reserve {key, nbytes, refs}`` -> make room (LRU eviction) or ``kind: too_large``
-``store {key, ...}`` + fds  -> the entry is cached, the lease released
+``reserve {key, nbytes, refs}`` -> make room (LRU eviction) and a new segment: its id,
+                               tier and a writable fd; or ``kind: too_large``
+``link {key, files}``       -> hard-link source files whose regions the result's storages
+                               are into the cache: ``{links: [{id, size} | null]}``
+``store {key, segments, ...}`` -> the written segment is committed (read-only from now),
+                               the entry is cached, the lease released
 ``abandon {key}``           -> release the lease without storing
 ``report {key, seconds}``   -> a warm load's time, for statistics (no reply)
 ``list``                    -> ``{entries: [...]}``
@@ -22,7 +27,7 @@ Requests (JSON frames, see ``_protocol``), one connection may send several:
 from __future__ import annotations
 
 import asyncio
-import fcntl
+import contextlib
 import logging
 import os
 import signal
@@ -38,6 +43,15 @@ from overmind_lab._common.protocol import AsyncChannel
 from overmind_lab._common.sizes import available_memory, parse_size, total_memory
 from overmind_lab._daemon.holders import HolderScanner
 from overmind_lab._daemon.index import Entry, Index, Segment, TooLarge
+from overmind_lab._daemon.persist import restore, snapshot
+from overmind_lab._daemon.store import (
+    Corrupt,
+    Store,
+    file_bytes,
+    footprint,
+    new_segment_id,
+    resident_bytes,
+)
 
 __all__ = ["Daemon", "default_budget", "peer_credentials"]
 
@@ -48,7 +62,8 @@ DEFAULT_BUDGET_FRACTION = 0.5
 KEEPALIVE_SECONDS = 5.0
 IDLE_TIMEOUT = 600.0
 SEND_TIMEOUT = 30.0
-_REQUIRED_SEALS = 0x0001 | 0x0002 | 0x0004 | 0x0008  # SEAL, SHRINK, GROW, WRITE
+#: Coalesce index writes that follow each other closely (hits, stores, evictions).
+SAVE_DELAY = 0.2
 
 
 def default_budget() -> int:
@@ -71,11 +86,20 @@ class _Lease:
 
 
 class Daemon:
-    def __init__(self, path: Path, budget: int) -> None:
+    def __init__(self, path: Path, budget: int, cache_dir: Path | None = None) -> None:
         self.path = path
-        self.index = Index(budget)
-        self.holders = HolderScanner()
+        self.store = Store(cache_dir)  # raises CacheDirRefused: refuse to start
+        self.index = Index(budget, on_drop=self._drop)
+        self.holders = HolderScanner(self.store.dir if self.store.persistent else None)
         self.leases: dict[str, _Lease] = {}
+        self.pending: dict[str, Segment] = {}  # key -> segment reserved, being written
+        self.pending_links: dict[str, list[Segment]] = {}  # key -> linked, not stored yet
+        self.finishing: dict[str, Segment] = {}  # id -> segment being finished
+        self.verifying: dict[str, asyncio.Future[None]] = {}
+        self._dirty = False
+        self._saver: asyncio.Task[None] | None = None
+        if self.store.persistent:
+            restore(self.store, self.index)
         self.started = time.time()
         self.stopping = asyncio.Event()
         self.refresher: Any = None  # set by _refresh.attach (avoids an import cycle)
@@ -89,10 +113,34 @@ class Daemon:
         log.info("serving on %s (pid %d, budget %d bytes)", self.path, os.getpid(),
                  self.index.budget)
         accepting = asyncio.ensure_future(self._accept_loop(sock))
+        verifier = asyncio.ensure_future(self._verify_all())
         await self.stopping.wait()
         accepting.cancel()
-        self.index.close()
+        verifier.cancel()
+        await self._shutdown()
         log.info("stopped")
+
+    async def _shutdown(self) -> None:
+        """Finish the files being written, save the index, let go of the segments."""
+        if self.finishing:
+            await asyncio.wait([asyncio.ensure_future(self._finished(sid))
+                                for sid in list(self.finishing)], timeout=60)
+        for seg in [*self.pending.values(), *(s for v in self.pending_links.values()
+                                               for s in v)]:
+            self.store.discard(seg)
+        self.pending.clear()
+        self.pending_links.clear()
+        if self.store.persistent:
+            try:
+                self.store.save_index(snapshot(self.index))
+            except OSError as exc:
+                log.warning("could not save the index: %s", exc)
+        self.index.close(self.store.release)
+        self.store.close()
+
+    async def _finished(self, sid: str) -> None:
+        while sid in self.finishing:
+            await asyncio.sleep(0.02)
 
     async def _accept_loop(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -133,12 +181,16 @@ class Daemon:
                 return
             msg, fds = frame
             op = msg.get("op")
+            give: list[int] = []  # descriptors to close once sent
             try:
+                for fd in fds:  # no request carries descriptors to the daemon any more
+                    os.close(fd)
                 if op == "store":
-                    reply, out_fds = self._store(msg, fds, held), list[int]()
+                    reply, out_fds = self._store(msg, held), list[int]()
+                elif op == "reserve":
+                    reply, give = self._reserve(msg, held)
+                    out_fds = give
                 else:
-                    for fd in fds:
-                        os.close(fd)
                     if op == "lookup":
                         await self._lookup(chan, msg, held)
                         continue
@@ -148,7 +200,11 @@ class Daemon:
                     reply, out_fds = self._simple(op, msg, held, pid)
             except _RequestError as exc:
                 reply, out_fds = {"ok": False, "kind": exc.kind, "error": str(exc)}, []
-            await asyncio.wait_for(chan.send(reply, out_fds), SEND_TIMEOUT)
+            try:
+                await asyncio.wait_for(chan.send(reply, out_fds), SEND_TIMEOUT)
+            finally:
+                for fd in give:
+                    os.close(fd)
             if op == "stop":
                 self.stopping.set()
                 return
@@ -160,8 +216,8 @@ class Daemon:
             return {"ok": True, **self.status()}, []
         if op == "list":
             return {"ok": True, "entries": self.list_entries()}, []
-        if op == "reserve":
-            return self._reserve(msg, held), []
+        if op == "link":
+            return self._link(msg, held), []
         if op == "abandon":
             key = str(msg.get("key"))
             if key in held:
@@ -174,11 +230,13 @@ class Daemon:
             for key in keys:
                 self.index.evict(key)
             self.holders.invalidate()
+            self.save_soon()
             return {"ok": True, "evicted": keys}, []
         if op == "evict_all":
             keys = list(self.index.entries)
             for key in keys:
                 self.index.evict(key)
+            self.save_soon()
             return {"ok": True, "evicted": keys}, []
         if op == "refresh":
             keys = self._resolve(str(msg.get("key", "")))
@@ -205,8 +263,11 @@ class Daemon:
         announced = False
         while True:
             entry = self.index.get(key)
+            if entry is not None and not refresh and not await self._verified(entry):
+                continue  # it was corrupt and is gone: look again (a miss now)
             if entry is not None and not refresh:
                 self.index.touch(key, hit=not msg.get("own"))
+                self.save_soon()
                 fds = [self.index.segments[s].fd for s in entry.segments]
                 await asyncio.wait_for(chan.send({"ok": True, "hit": True,
                                                   "entry": self._wire_entry(entry)}, fds),
@@ -233,55 +294,93 @@ class Daemon:
     def _release(self, key: str) -> None:
         lease = self.leases.pop(key, None)
         self.index.unreserve(key)
+        seg = self.pending.pop(key, None)
+        if seg is not None:  # reserved but never stored: nothing half-written stays
+            self.store.discard(seg)
+        for link in self.pending_links.pop(key, []):
+            self.store.discard(link)
         if lease is not None:
             lease.released.set()
 
-    def _reserve(self, msg: dict[str, Any], held: set[str]) -> dict[str, Any]:
+    def _reserve(self, msg: dict[str, Any], held: set[str]) -> tuple[dict[str, Any], list[int]]:
         key = str(msg["key"])
         if key not in held:
             raise _RequestError("no_lease", "reserve needs the lease from lookup")
         refs = set(msg.get("refs", []))
         protect = {k for k, e in self.index.entries.items() if refs & set(e.segments)}
-        missing = refs - set(self.index.segments)
+        missing = refs - set(self.index.segments) - {
+            s.id for s in self.pending_links.get(key, [])}
         if missing:
             raise _RequestError("stale_reference",
                                 f"referenced segments were evicted: {sorted(missing)}")
+        nbytes = int(msg["nbytes"])
         try:
-            evicted = self.index.reserve(key, int(msg["nbytes"]), protect)
+            evicted = self.index.reserve(key, file_bytes(nbytes), protect)
         except TooLarge as exc:
             raise _RequestError("too_large", f"not cached: {exc}") from None
         if evicted:
             log.info("evicted %d entries to make room: %s", len(evicted), evicted)
-        return {"ok": True, "evicted": evicted}
-
-    def _store(self, msg: dict[str, Any], fds: list[int], held: set[str]) -> dict[str, Any]:
-        key = str(msg["key"])
+            self.save_soon()
+        old = self.pending.pop(key, None)
+        if old is not None:
+            self.store.discard(old)
         try:
-            if key not in held:
-                raise _RequestError("no_lease", "store needs the lease from lookup")
-            specs = msg.get("segments", [])
-            if len(specs) != len(fds):
-                raise _RequestError("bad_request",
-                                    f"{len(specs)} segments announced, {len(fds)} fds sent")
-            new = [self._check_segment(spec, fd) for spec, fd in zip(specs, fds, strict=True)]
-        except BaseException:
-            for fd in fds:
-                os.close(fd)
-            raise
+            seg, writer = self.store.create(new_segment_id(), nbytes)
+        except OSError as exc:
+            self.index.unreserve(key)
+            raise _RequestError("store_failed", f"cannot create a segment: {exc}") from None
+        self.pending[key] = seg
+        return {"ok": True, "evicted": evicted,
+                "segment": {"id": seg.id, "size": seg.size, "tier": seg.tier}}, [writer]
+
+    def _link(self, msg: dict[str, Any], held: set[str]) -> dict[str, Any]:
+        key = str(msg["key"])
+        if key not in held:
+            raise _RequestError("no_lease", "link needs the lease from lookup")
+        links: list[dict[str, Any] | None] = []
+        for record in msg.get("files", []):
+            seg, why = self.store.link(new_segment_id(), dict(record))
+            if seg is None:
+                log.info("copying, not referencing, %s: %s", record.get("path"), why)
+                links.append(None)
+                continue
+            self.pending_links.setdefault(key, []).append(seg)
+            links.append({"id": seg.id, "size": seg.size})
+        return {"ok": True, "links": links}
+
+    def _store(self, msg: dict[str, Any], held: set[str]) -> dict[str, Any]:
+        key = str(msg["key"])
+        if key not in held:
+            raise _RequestError("no_lease", "store needs the lease from lookup")
+        seg = self.pending.get(key)
+        specs = msg.get("segments", [])
+        if seg is None or specs != [{"id": seg.id, "size": seg.size}]:
+            raise _RequestError("bad_request", f"store names segments {specs!r}, reserve "
+                                               f"made {seg.record() if seg else 'none'}")
+        try:
+            self.store.commit(seg)
+        except (Corrupt, OSError) as exc:
+            raise _RequestError("bad_request", str(exc)) from None
+        del self.pending[key]
+        linked = {s.id: s for s in self.pending_links.pop(key, [])}
         shared = [str(s) for s in msg.get("refs", [])]
-        missing = [s for s in shared if s not in self.index.segments]
+        new = [seg, *(linked[s] for s in shared if s in linked)]
+        for unused in set(linked) - set(shared):
+            self.store.discard(linked[unused])
+        missing = [s for s in shared if s not in self.index.segments and s not in linked]
         if missing:
-            for seg in new:
-                os.close(seg.fd)
+            for dead in new:
+                self.store.discard(dead)
             raise _RequestError("stale_reference",
                                 f"referenced segments were evicted meanwhile: {missing}")
         entry = Entry(
             key=key, name=str(msg.get("name", key)), cls=str(msg.get("class", "")),
             callable=str(msg.get("callable", "")), source=msg.get("source"),
-            own=[s.id for s in new], shared=shared, meta=dict(msg.get("meta", {})),
+            own=[seg.id], shared=shared, meta=dict(msg.get("meta", {})),
             tensors=int(msg.get("tensors", 0)),
             cold_seconds=float(msg.get("cold_seconds", 0.0)),
             store_seconds=float(msg.get("store_seconds", 0.0)), call=msg.get("call"),
+            validate=msg.get("validate"),
         )
         replaced = self.index.get(key)
         if replaced is not None:  # a refresh in progress goes on showing on the new entry
@@ -291,24 +390,96 @@ class Daemon:
         held.discard(key)
         self._release(key)
         self.holders.invalidate()
-        log.info("stored %s (%s, %d bytes)", key[:12], entry.name, sum(s.size for s in new))
+        log.info("stored %s (%s, %d bytes, %s)", key[:12], entry.name, seg.size, seg.tier)
+        if seg.tier == "file":
+            self.finishing[seg.id] = seg
+            asyncio.ensure_future(self._finish(seg))
         return {"ok": True, "key": key}
 
-    def _check_segment(self, spec: dict[str, Any], fd: int) -> Segment:
-        sid = str(spec.get("id", ""))
-        if not sid or sid in self.index.segments:
-            raise _RequestError("bad_request", f"segment id {sid!r} is missing or reused")
+    # -- the files: finishing, verifying, saving the index ------------------------------
+    async def _finish(self, seg: Segment) -> None:
         try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        except OSError as exc:
-            raise _RequestError("bad_request", f"segment {sid} is not a memfd: {exc}") from None
-        if seals & _REQUIRED_SEALS != _REQUIRED_SEALS:
-            raise _RequestError("bad_request", f"segment {sid} is not sealed")
-        size = os.fstat(fd).st_size
-        if size != int(spec.get("size", -1)):
-            raise _RequestError("bad_request", f"segment {sid} has {size} bytes, "
-                                               f"{spec.get('size')} announced")
-        return Segment(id=sid, fd=fd, size=size)
+            await asyncio.to_thread(self.store.finish, seg)
+        except OSError as exc:  # the entry stays, served from its .tmp file until evicted
+            log.warning("could not finish segment %s on disk (%s): it will not survive a "
+                        "restart", seg.id, exc)
+        finally:
+            del self.finishing[seg.id]
+        if seg.id not in self.index.segments:  # evicted while it was being finished
+            self.store.discard(seg)
+        self.save_soon()
+
+    def _drop(self, seg: Segment) -> None:
+        """The index let go of ``seg``: delete it (after it is finished, if it is)."""
+        if seg.id in self.finishing:
+            return  # _finish discards it
+        fut = self.verifying.get(seg.id)
+        if fut is not None:
+            fut.add_done_callback(lambda _f: self.store.discard(seg))
+        else:
+            self.store.discard(seg)
+
+    async def _verified(self, entry: Entry) -> bool:
+        """Check the data of segments written by an earlier daemon; evict a corrupt entry."""
+        for sid in entry.segments:
+            seg = self.index.segments.get(sid)
+            stale = seg.changed() if seg is not None else None
+            if stale is not None:  # Note [Referenced source files] (client sources module)
+                log.warning("entry %s (%s) is stale, it loads cold: %s", entry.key[:12],
+                            entry.name, stale)
+                if entry.key in self.index.entries:
+                    self.index.evict(entry.key)
+                    self.save_soon()
+                return False
+            if seg is None or seg.verified:
+                continue
+            try:
+                await self._verify(seg)
+            except (Corrupt, OSError, ValueError) as exc:
+                log.warning("rejected a saved entry %s (%s), it loads cold: %s",
+                            entry.key[:12], entry.name, exc)
+                if entry.key in self.index.entries:
+                    self.index.evict(entry.key)
+                    self.save_soon()
+                return False
+        return True
+
+    def _verify(self, seg: Segment) -> asyncio.Future[None]:
+        fut = self.verifying.get(seg.id)
+        if fut is None:
+            fut = asyncio.ensure_future(asyncio.to_thread(self.store.verify, seg))
+            self.verifying[seg.id] = fut
+            fut.add_done_callback(lambda _f: self.verifying.pop(seg.id, None))
+        return fut
+
+    async def _verify_all(self) -> None:
+        """After a restart, check saved segments most recently used first (this also
+        reads them into the page cache after a reboot; linked source files, which are not
+        checksummed, are read ahead by the kernel)."""
+        for seg in self.index.segments.values():
+            if seg.tier == "link":
+                with contextlib.suppress(OSError):
+                    os.posix_fadvise(seg.fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        for entry in reversed(list(self.index.entries.values())):
+            if entry.key in self.index.entries:
+                await self._verified(entry)
+
+    def save_soon(self) -> None:
+        """Save the index shortly (coalescing changes), in a thread."""
+        if not self.store.persistent:
+            return
+        self._dirty = True
+        if self._saver is None or self._saver.done():
+            self._saver = asyncio.ensure_future(self._save())
+
+    async def _save(self) -> None:
+        while self._dirty:
+            await asyncio.sleep(SAVE_DELAY)
+            self._dirty = False
+            try:
+                await asyncio.to_thread(self.store.save_index, snapshot(self.index))
+            except OSError as exc:
+                log.warning("could not save the index: %s", exc)
 
     def _report(self, msg: dict[str, Any]) -> None:
         entry = self.index.get(str(msg.get("key")))
@@ -335,11 +506,26 @@ class Daemon:
             "version": __version__, "started": self.started,
             "uptime_seconds": time.time() - self.started,
             "budget_bytes": self.index.budget, "cached_bytes": self.index.cached_bytes,
+            "tier": self.store.tier, "tier_reason": self.store.reason,
+            "cache_dir": str(self.store.dir) if self.store.dir else None,
+            **self._footprint(),
+            "unsaved": len(self.finishing) + len(self.verifying)
+            + int(self._dirty or (self._saver is not None and not self._saver.done())),
             "evicted_mapped_bytes": sum(self.index.evicted.values()),
             "entries": len(self.index.entries),
             "memory_total_bytes": total_memory(),
             "memory_available_bytes": available_memory(),
         }
+
+    def _footprint(self) -> dict[str, int]:
+        disk = memory = resident = 0
+        for seg in self.index.segments.values():
+            if seg.tier in ("file", "link"):
+                disk += footprint(seg)
+            else:
+                memory += footprint(seg)
+            resident += resident_bytes(seg.fd, seg.size) or 0
+        return {"disk_bytes": disk, "memfd_bytes": memory, "resident_bytes": resident}
 
     def list_entries(self) -> list[dict[str, Any]]:
         mapped = self.holders.scan()
@@ -358,6 +544,11 @@ class Daemon:
                 "cold_seconds": entry.cold_seconds, "store_seconds": entry.store_seconds,
                 "warm_seconds": list(entry.warm_seconds), "holders": sorted(holders),
                 "replayable": entry.call is not None, "refresh": dict(entry.refresh),
+                "resident_bytes": sum(resident_bytes(self.index.segments[s].fd,
+                                                     self.index.segments[s].size) or 0
+                                      for s in entry.own if s in self.index.segments),
+                "tier": sorted({self.index.segments[s].tier for s in entry.own
+                                if s in self.index.segments}),
             })
         return out
 

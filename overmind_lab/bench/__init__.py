@@ -31,7 +31,7 @@ from typing import Any
 
 __all__ = ["DEFAULT_MODELS_DIR", "DEFAULT_OUT", "add_arguments", "add_parser", "run"]
 
-DEFAULT_MODELS_DIR = "~/.cache/overmind-lab/bench-models"
+DEFAULT_MODELS_DIR = "~/.cache/overmind-lab-bench/models"
 DEFAULT_OUT = "./bench-results"
 
 

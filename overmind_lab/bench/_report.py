@@ -25,7 +25,13 @@ __all__ = [
 ]
 
 MODES = ("plain", "first", "warm")
-_EXPECTED_OUTCOME = {"plain": "plain", "first": "cold", "warm": "warm"}
+#: ``restart``: a warm load right after ``kill -9`` of the daemon and a new one (the
+#: saved index on disk); not drawn in the plot.
+#: ``plain-cold`` and ``reboot``: plain and warm with the model's and the cache's files
+#: dropped from the page cache (and, for ``reboot``, a new daemon).
+ALL_MODES = (*MODES, "restart", "plain-cold", "reboot")
+_EXPECTED_OUTCOME = {"plain": "plain", "first": "cold", "warm": "warm", "restart": "warm",
+                     "plain-cold": "plain", "reboot": "warm"}
 
 #: (id, description, limit). The value is computed by :func:`evaluate_targets`.
 TARGETS: list[tuple[str, str, float]] = [
@@ -62,12 +68,14 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def summarize(case: dict[str, Any]) -> None:
     """Add per-mode statistics and the case's ratios to *case* (in place)."""
-    for mode in MODES:
+    for mode in ALL_MODES:
         runs = case.get("runs", {}).get(mode, [])
         good = [r for r in runs if "error" not in r and r.get("outcome") == _EXPECTED_OUTCOME[mode]]
         case.setdefault("stats", {})[mode] = {
             "load": _stats([r["load_seconds"] for r in good]),
             "touch": _stats([r["touch_seconds"] for r in good if "touch_seconds" in r]),
+            "total": _stats([r["load_seconds"] + r["touch_seconds"] for r in good
+                             if "touch_seconds" in r]),
             "imports": _stats([r["import_seconds"] for r in runs if "import_seconds" in r]),
             "ok": len(good),
             "failed": len([r for r in runs if "error" in r]),
@@ -80,7 +88,15 @@ def summarize(case: dict[str, Any]) -> None:
         s = case["stats"][mode]["load"]
         return None if s is None else float(s["median"])
 
+    def total(mode: str) -> float | None:
+        s = case["stats"][mode]["total"]
+        return None if s is None else float(s["median"])
+
     case["ratios"] = {
+        "warm_total_over_plain": ratio(total("warm"), total("plain")),
+        "first_total_over_plain": ratio(total("first"), total("plain")),
+        "restart_total_over_plain": ratio(total("restart"), total("plain")),
+        "reboot_total_over_plain_cold": ratio(total("reboot"), total("plain-cold")),
         "warm_over_plain": ratio(med("warm"), med("plain")),
         "first_over_plain": ratio(med("first"), med("plain")),
         "warm_over_first": ratio(med("warm"), med("first")),
@@ -225,6 +241,25 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
                 f"{_mode_cell(case, 'first')} | {_mode_cell(case, 'warm')} | {_x(r.get('warm_over_plain'), 4)} | "
                 f"{_x(r.get('first_over_plain'), 2)} | {_s(touch['median']) if touch else '-'} | "
                 f"{_s(imports['median']) if imports else '-'} | {check_text} |")
+        lines += ["", "## Load and first touch (what a user waits for)", "",
+                  "Median of load + first read of every weight page, per fresh process. "
+                  "*restart*: warm, right after `kill -9` of the daemon and a new one. "
+                  "*plain-cold*, *reboot*: plain, and warm from a new daemon, with the files of "
+                  "the model and of the cache dropped from the page cache.", "",
+                  "| case | plain | first | warm | restart | plain-cold | reboot | first/plain | "
+                  "warm/plain | restart/plain | reboot/plain-cold |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for name, case in results.get("cases", {}).items():
+            r = case.get("ratios", {})
+            cells = []
+            for mode in ALL_MODES:
+                t = case.get("stats", {}).get(mode, {}).get("total")
+                cells.append(_s(t["median"]) if t else "-")
+            lines.append(f"| {case.get('title', name)} | {' | '.join(cells)} | "
+                         f"{_x(r.get('first_total_over_plain'), 2)} | "
+                         f"{_x(r.get('warm_total_over_plain'), 3)} | "
+                         f"{_x(r.get('restart_total_over_plain'), 3)} | "
+                         f"{_x(r.get('reboot_total_over_plain_cold'), 3)} |")
     failures = [(n, c["check"]) for n, c in results.get("cases", {}).items()
                 if c.get("check") and not c["check"].get("passed")]
     for name, check in failures:

@@ -3,8 +3,10 @@
 By default the benchmark starts ``overmind-lab serve`` in the foreground of a child
 process, on a socket in a fresh 0700 temporary directory, points every measuring process
 at it (``OVERMIND_LAB_SOCKET``) and stops it at the end: the user's own cache is never
-touched. With ``--socket`` it uses that daemon (starting it if needed) and leaves it
-running.
+touched. Its cache directory is private too, beside the user's (``~/.cache``, a real file
+system where the user's is), so that segment files and links to the models behave as
+they do for the user. With ``--socket`` it uses that daemon (starting it if needed) and
+leaves it running.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +38,14 @@ class Daemon:
             self._tmpdir = tempfile.mkdtemp(prefix="overmind-bench-")
             os.chmod(self._tmpdir, 0o700)
             socket = os.path.join(self._tmpdir, "daemon.sock")
+            from overmind_lab._common.naming import default_cache_dir
+
+            parent = default_cache_dir().parent
+            parent.mkdir(parents=True, exist_ok=True)
+            self.cache_dir: str | None = tempfile.mkdtemp(prefix="overmind-lab-bench-cache-",
+                                                          dir=parent)
+        else:
+            self.cache_dir = None
         self.socket = os.path.abspath(os.path.expanduser(socket))
         self.log_path = log_path
         self.budget = budget
@@ -51,6 +62,8 @@ class Daemon:
             return dict(self.client().start())
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "overmind_lab", "serve", "--socket", self.socket]
+        if self.cache_dir:
+            cmd += ["--cache-dir", self.cache_dir]
         if self.budget:
             cmd += ["--budget", self.budget]
         env = dict(os.environ)
@@ -71,6 +84,20 @@ class Daemon:
             tail = self.log_path.read_text(errors="replace")[-2000:]
         self.stop()
         raise RuntimeError(f"the private overmind-lab daemon did not start ({self.socket}):\n{tail}")
+
+    def kill_and_restart(self, before_start: Callable[[], object] | None = None
+                         ) -> dict[str, Any]:
+        """``kill -9`` the private daemon and start a new one on the same cache directory,
+        once its saved index is complete (``before_start`` runs in between)."""
+        assert self.private and self.proc is not None
+        deadline = time.monotonic() + 60
+        while self.client().status().get("unsaved") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+        if before_start is not None:
+            before_start()
+        return self.start()
 
     def pid(self) -> int | None:
         status = self.client().status()
@@ -96,6 +123,9 @@ class Daemon:
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
+        if self.cache_dir is not None:
+            shutil.rmtree(self.cache_dir, ignore_errors=True)
+            self.cache_dir = None
 
     def __enter__(self) -> Daemon:
         self.start()

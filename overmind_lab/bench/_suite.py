@@ -21,7 +21,7 @@ from typing import Any
 from overmind_lab._common.sizes import meminfo
 from overmind_lab.bench import _cases, _report
 from overmind_lab.bench._cases import CASES, KERNEL_CASE, PSS_CASE, Case
-from overmind_lab.bench._memory import read_smaps_rollup, warm_page_cache
+from overmind_lab.bench._memory import drop_page_cache, read_smaps_rollup, warm_page_cache
 from overmind_lab.bench._runner import (
     Child,
     ChildError,
@@ -118,11 +118,29 @@ class Bench:
             jobs.append(self.job(case, "plain"))
             jobs.append(self.job(case, "first"))
             jobs.append(self.job(case, "warm", check=(i == self.repeat - 1)))
-        counters = {"plain": 0, "first": 0, "warm": 0}
+            if self.daemon is not None and self.daemon.private:
+                jobs.append(self.job(case, "restart"))
+                jobs.append(self.job(case, "plain-cold"))
+                jobs.append(self.job(case, "reboot"))
+        counters = {"plain": 0, "first": 0, "warm": 0, "restart": 0, "plain-cold": 0,
+                    "reboot": 0}
 
         def before_go(i: int) -> None:
             if jobs[i]["mode"] == "first":
                 self.evict_all()
+            if jobs[i]["mode"] in ("restart", "reboot"):
+                daemon = self.daemon
+                assert daemon is not None
+                cold: list[str | os.PathLike[str]] = [path]
+                if daemon.cache_dir:
+                    cold.append(daemon.cache_dir)
+                daemon.kill_and_restart(
+                    before_start=(lambda: drop_page_cache(cold))
+                    if jobs[i]["mode"] == "reboot" else None)
+            if jobs[i]["mode"] == "plain-cold":
+                drop_page_cache([path])
+            if jobs[i]["mode"] == "plain":  # after a reboot round: the model in cache again
+                warm_page_cache([path])
 
         def on_result(i: int, rec: dict[str, Any]) -> None:
             mode = jobs[i]["mode"]
@@ -133,9 +151,9 @@ class Bench:
                 self.progress(f"{head}: see {self.logs}")
                 return
             extra = ""
-            if mode != "plain":
+            if not mode.startswith("plain"):
                 extra = f", outcome {rec.get('outcome')}"
-                expected = "cold" if mode == "first" else "warm"
+                expected = "cold" if mode == "first" else "warm"  # restart, reboot too
                 if rec.get("outcome") != expected:
                     extra += f" (expected {expected}: {rec.get('load_event', {}).get('reason')})"
             if rec.get("check") is not None:
@@ -147,7 +165,7 @@ class Bench:
         records = run_sequence(jobs, env=self.env, log_dir=self.logs, label=case.name,
                                timeouts=self.timeouts, batch=self.batch,
                                before_go=before_go, on_result=on_result)
-        runs: dict[str, list[dict[str, Any]]] = {"plain": [], "first": [], "warm": []}
+        runs: dict[str, list[dict[str, Any]]] = {m: [] for m in counters}
         for job, rec in zip(jobs, records):
             runs[job["mode"]].append(rec)
         check = next((r.get("check") for r in reversed(runs["warm"]) if r.get("check")), None)
@@ -177,7 +195,10 @@ class Bench:
                       f"first {_fmt_s(result['stats']['first']['load'] and result['stats']['first']['load']['median'])}, "
                       f"warm {_fmt_s(result['stats']['warm']['load'] and result['stats']['warm']['load']['median'])}; "
                       f"warm/plain {r['warm_over_plain'] and round(r['warm_over_plain'], 4)}, "
-                      f"first/plain {r['first_over_plain'] and round(r['first_over_plain'], 2)}")
+                      f"first/plain {r['first_over_plain'] and round(r['first_over_plain'], 2)}; "
+                      f"load+touch: first/plain {r['first_total_over_plain'] and round(r['first_total_over_plain'], 2)}, "
+                      f"warm/plain {r['warm_total_over_plain'] and round(r['warm_total_over_plain'], 3)}, "
+                      f"restart/plain {r['restart_total_over_plain'] and round(r['restart_total_over_plain'], 3)}")
         return result
 
     # -- PSS --------------------------------------------------------------------------------

@@ -1,0 +1,139 @@
+"""Storages that are unchanged regions of a source file: referenced, never copied.
+
+A safetensors file loaded without conversion is not copied by the loader: its tensors are
+views of a ``MAP_PRIVATE`` mapping of the file. Caching such a model needs no copy either:
+the entry references the file (the daemon hard-links it into the cache directory, so a
+delete or a rename-replace of the original keeps the data) and records where each storage
+lies in it.
+
+:func:`find_source` tells whether a storage is such a region: its bytes lie in one file
+mapping of this process (``/proc/self/maps``), the file is the one mapped (same device and
+inode), and none of its pages was written privately since it was mapped (``pagemap``: a
+page copied on write is anonymous; a page never touched, or present and file-backed, holds
+the file's bytes). Anything else is copied as before.
+
+Note [Referenced source files]: a referenced file is shared with its owner, who may
+rewrite it in place (``save_pretrained`` replaces files by a new inode, which is harmless:
+the link keeps the old one; a tool that truncates or rewrites the same inode is not). The
+daemon never maps or reads a referenced file, so nothing done to it can crash the daemon
+or corrupt other entries. Before every warm load the daemon compares the file's (device,
+inode, size, mtime_ns) with those recorded at store time; a mismatch makes the entry stale
+and the load cold. A kernel that already maps the file sees what a kernel that loaded it
+plainly sees: changed bytes in pages it did not write, or ``SIGBUS`` past a truncated end.
+That is the hazard of plain ``safetensors`` loading too, no worse.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import stat
+from dataclasses import dataclass
+
+__all__ = ["SourceFile", "SourceMap", "MIN_REFERENCE"]
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+#: Storages smaller than this are copied (a reference costs a file and a mapping).
+MIN_REFERENCE = 64 << 10
+_PM_PRESENT = 1 << 63
+_PM_SWAPPED = 1 << 62
+_PM_FILE = 1 << 61
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """A regular file some storages are views of, as it was when they were checked."""
+
+    path: str
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+
+    def record(self) -> dict[str, object]:
+        return {"path": self.path, "dev": self.dev, "ino": self.ino, "size": self.size,
+                "mtime_ns": self.mtime_ns}
+
+
+@dataclass(frozen=True)
+class _Vma:
+    start: int
+    end: int
+    offset: int
+    path: str
+    dev: int
+    ino: int
+
+
+class SourceMap:
+    """A snapshot of this process's file mappings, read once per store."""
+
+    def __init__(self, exclude: str | None = None) -> None:
+        self._vmas: list[_Vma] = []
+        self._files: dict[str, SourceFile | None] = {}
+        prefix = os.path.realpath(exclude) + "/" if exclude else None
+        try:
+            with open("/proc/self/maps") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            lines = []
+        for line in lines:
+            parts = line.split(maxsplit=5)
+            if len(parts) < 6 or not parts[5].startswith("/") or parts[5].endswith(
+                    " (deleted)") or (prefix and parts[5].startswith(prefix)):
+                continue
+            start, end = (int(x, 16) for x in parts[0].split("-"))
+            major, minor = (int(x, 16) for x in parts[3].split(":"))
+            self._vmas.append(_Vma(start, end, int(parts[2], 16), parts[5],
+                                   os.makedev(major, minor), int(parts[4])))
+        self._vmas.sort(key=lambda v: v.start)
+        self._starts = [v.start for v in self._vmas]
+
+    def find(self, address: int, nbytes: int) -> tuple[SourceFile, int] | None:
+        """The file and offset whose unchanged bytes ``[address, +nbytes)`` are."""
+        if nbytes < MIN_REFERENCE:
+            return None
+        i = bisect.bisect_right(self._starts, address) - 1
+        if i < 0:
+            return None
+        vma = self._vmas[i]
+        if address + nbytes > vma.end:
+            return None
+        source = self._file(vma)
+        offset = vma.offset + address - vma.start
+        if source is None or offset + nbytes > source.size:
+            return None
+        if not _pages_unmodified(address, nbytes):
+            return None
+        return source, offset
+
+    def _file(self, vma: _Vma) -> SourceFile | None:
+        if vma.path not in self._files:
+            try:
+                st = os.stat(vma.path)
+            except OSError:
+                st = None
+            ok = (st is not None and stat.S_ISREG(st.st_mode) and st.st_dev == vma.dev
+                  and st.st_ino == vma.ino)
+            self._files[vma.path] = SourceFile(vma.path, st.st_dev, st.st_ino, st.st_size,
+                                               st.st_mtime_ns) if ok and st else None
+        return self._files[vma.path]
+
+
+def _pages_unmodified(address: int, nbytes: int) -> bool:
+    """No page of the range was copied on write: each is absent or file-backed."""
+    first, last = address // PAGE, (address + nbytes - 1) // PAGE
+    try:
+        with open("/proc/self/pagemap", "rb") as f:
+            f.seek(first * 8)
+            raw = f.read((last - first + 1) * 8)
+    except OSError:
+        return False
+    if len(raw) != (last - first + 1) * 8:
+        return False
+    import numpy as np
+
+    entries = np.frombuffer(raw, dtype="<u8")
+    private = ((entries & np.uint64(_PM_PRESENT | _PM_SWAPPED)) != 0) & (
+        (entries & np.uint64(_PM_FILE)) == 0)
+    return not bool(private.any())

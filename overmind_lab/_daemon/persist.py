@@ -1,0 +1,172 @@
+"""The index across daemon restarts: entries as records, and what a new daemon keeps.
+
+A daemon saves its index (``Store.save_index``) after every change that a restart should
+see: a finished store, an eviction, and (debounced) hits. Only entries whose segments are
+all finished files are saved: memfd segments die with the daemon.
+
+A new daemon reopens the index (:func:`restore`). An entry comes back only if
+
+- every segment file it uses passes its trailer check (size, magic, checksums);
+- the files of its source directory still have the sizes and mtimes recorded when it was
+  stored (the same check the client's cache key makes; a re-saved model is a new key, and
+  the old entry would only take room);
+- the libraries it was loaded with still have the recorded versions, where the daemon can
+  tell (same interpreter).
+
+Everything else is dropped with its reason in the log, and files that no kept entry uses
+(a ``.tmp`` torn by a crash mid-store, orphans) are deleted. A corrupt index is discarded
+as a whole, with a warning: the cache starts cold, the daemon starts anyway.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import platform
+import sys
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from overmind_lab._daemon.index import WARM_HISTORY, Entry, Index
+from overmind_lab._daemon.store import Corrupt, Segment, Store
+
+__all__ = ["snapshot", "restore", "source_changed", "versions_changed"]
+
+log = logging.getLogger("overmind_lab.daemon")
+
+_FIELDS = ("key", "name", "cls", "callable", "source", "own", "shared", "meta", "tensors",
+           "cold_seconds", "store_seconds", "call", "created", "last_used", "hits",
+           "validate")
+
+
+def snapshot(index: Index) -> dict[str, Any]:
+    """The saveable part of ``index``, least recently used first."""
+    entries, used = [], set()
+    for entry in index.entries.values():
+        segs = [index.segments.get(s) for s in entry.segments]
+        if not all(s is not None and s.persisted for s in segs):
+            continue
+        record = {name: getattr(entry, name) for name in _FIELDS}
+        record["warm_seconds"] = list(entry.warm_seconds)
+        entries.append(record)
+        used.update(entry.segments)
+    segments = [index.segments[s].record() for s in sorted(used)]
+    return {"entries": entries, "segments": segments}
+
+
+def restore(store: Store, index: Index) -> list[str]:
+    """Reload the saved index into ``index``; returns one line per entry dropped."""
+    dropped: list[str] = []
+    try:
+        body = store.load_index()
+    except Corrupt as exc:
+        log.warning("discarded the saved index, the cache starts cold: %s", exc)
+        body = None
+        dropped.append(f"index: {exc}")
+    opened: dict[str, Segment] = {}
+    bad: dict[str, str] = {}
+    for record in (body or {}).get("segments", []):
+        try:
+            seg = store.open_segment(record)
+        except (Corrupt, KeyError, TypeError, ValueError) as exc:
+            bad[str(record.get("id") if isinstance(record, dict) else record)] = str(exc)
+            continue
+        opened[seg.id] = seg
+    for record in (body or {}).get("entries", []):
+        try:
+            entry = _entry(record)
+        except (KeyError, TypeError, ValueError) as exc:
+            dropped.append(f"a malformed entry: {exc!r}")
+            continue
+        reason = _check(entry, opened, bad)
+        if reason is not None:
+            dropped.append(f"{entry.key[:12]} ({entry.name}): {reason}")
+            continue
+        for sid in entry.segments:
+            opened[sid].refs += 1
+            index.segments[sid] = opened[sid]
+        index.entries[entry.key] = entry
+    for seg in opened.values():
+        if seg.id not in index.segments:
+            os.close(seg.fd)
+    removed = store.collect(set(index.segments))
+    for line in dropped:
+        log.warning("dropped a saved entry: %s", line)
+    if removed:
+        log.info("deleted %d files no entry uses: %s", len(removed), sorted(removed)[:10])
+    if index.entries:
+        log.info("reopened %d entries (%d bytes) from %s", len(index.entries),
+                 index.cached_bytes, store.dir)
+    return dropped
+
+
+def _entry(record: dict[str, Any]) -> Entry:
+    values = {name: record[name] for name in _FIELDS if name in record}
+    entry = Entry(**{k: values[k] for k in ("key", "name", "cls", "callable", "source",
+                                            "own", "shared", "meta", "tensors",
+                                            "cold_seconds", "store_seconds")})
+    entry.call = values.get("call")
+    entry.validate = values.get("validate")
+    entry.created = float(values.get("created", entry.created))
+    entry.last_used = float(values.get("last_used", entry.last_used))
+    entry.hits = int(values.get("hits", 0))
+    entry.warm_seconds = deque((float(s) for s in record.get("warm_seconds", [])),
+                               maxlen=WARM_HISTORY)
+    return entry
+
+
+def _check(entry: Entry, opened: dict[str, Segment], bad: dict[str, str]) -> str | None:
+    for sid in entry.segments:
+        if sid in bad:
+            return bad[sid]
+        if sid not in opened:
+            return f"its segment {sid} is not in the index"
+    validate = entry.validate or {}
+    return source_changed(validate.get("source")) or versions_changed(validate)
+
+
+def source_changed(source: Any) -> str | None:
+    """Why a recorded source signature no longer matches the disk, or ``None``."""
+    if not isinstance(source, dict) or "local" not in source:
+        return None
+    root = Path(str(source["local"]))
+    files = source.get("files")
+    try:
+        if isinstance(files, list) and files and isinstance(files[0], int):
+            st = root.stat()  # a single file: [size, mtime_ns]
+            return None if [st.st_size, st.st_mtime_ns] == files else f"{root} changed"
+        for rel, size, mtime_ns in files or []:
+            st = (root / rel).stat()
+            if (st.st_size, st.st_mtime_ns) != (size, mtime_ns):
+                return f"the source file {root / rel} changed (size or mtime)"
+    except FileNotFoundError as exc:
+        return f"the source file {exc.filename} is gone"
+    except (OSError, TypeError, ValueError) as exc:
+        return f"the source {root} cannot be checked: {exc}"
+    return None
+
+
+def versions_changed(validate: dict[str, Any]) -> str | None:
+    """Which recorded library version differs from this environment, or ``None``.
+
+    Only checked when the entry was stored by the interpreter this daemon runs on: another
+    interpreter has its own libraries, and its keys tell the difference anyway.
+    """
+    versions = validate.get("versions")
+    if validate.get("python") != sys.executable or not isinstance(versions, dict):
+        return None
+    for lib, recorded in versions.items():
+        if lib == "format":
+            continue
+        if lib == "python":
+            now = platform.python_version()
+        else:
+            try:
+                now = importlib.metadata.version(lib)
+            except (importlib.metadata.PackageNotFoundError, ValueError):
+                continue  # a module that is no distribution: the daemon cannot tell
+        if now.split("+")[0] != str(recorded).split("+")[0]:
+            return f"{lib} changed from {recorded} to {now}"
+    return None
