@@ -9,6 +9,14 @@ Reader side: :func:`map_segment` maps a received fd ``MAP_PRIVATE`` with read an
 permission. Reads share the page cache pages of the memfd; a write copies only the touched
 page into the writing process (Note [Copy-on-write isolation]).
 
+Note [Copy-on-write isolation]: a cached model is shared by every process that loaded it,
+yet each process may change its copy (fine-tune it, ``.half()`` it in place) without any
+other process seeing the change. Two things make it so: the segment is sealed
+(``F_SEAL_WRITE``), so no process can write the memfd itself, and readers map it
+``MAP_PRIVATE | PROT_WRITE``, so a write to a page makes the kernel copy that one page into
+the writer's private memory first. Untouched pages stay shared page-cache pages; the cache
+entry stays byte-for-byte what was stored, and a later load gets the pristine weights.
+
 Note [Provenance]: every mapping is remembered by address range until it is unmapped, so
 that pickling an object that came from the cache can reference its segment instead of
 copying the bytes again (``vae=vae``). Because a process may have written into its private
@@ -30,12 +38,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from overmind_lab import _native
-from overmind_lab._common.naming import MEMFD_PREFIX
+from overmind_lab._common.naming import MEMFD_PREFIX, SEGMENT_SEALS
 
 __all__ = ["new_segment_id", "write_segment", "map_segment", "Mapping", "find_mapping",
            "prefault"]
 
-_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 #: Set to 1 to fault every page of a warm load in before returning. Off by default: a
 #: warm load then costs the same for 1 GB or 10 GB, and pages fault in on first use.
 PREFAULT_ENV = "OVERMIND_LAB_PREFAULT"
@@ -88,7 +95,11 @@ def write_segment(segment_id: str, size: int, items: Sequence[tuple[int, Any]]) 
                 with contextlib.suppress(OSError):
                     mm.madvise(_MADV_POPULATE_WRITE)
             _native.copy_many(mm, items)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        # Note [Seal after unmapping]: F_SEAL_WRITE fails with EBUSY while any shared
+        # writable mapping of the memfd exists, so the seals go on only after the ``with``
+        # above has unmapped ``mm``. Sealing first is impossible (we could not write), and
+        # sealing while mapped fails; readers map MAP_PRIVATE, which the seal allows.
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEGMENT_SEALS)
     except BaseException:
         os.close(fd)
         raise

@@ -70,7 +70,6 @@ class Index:
         self.segments: dict[str, Segment] = {}
         self.evicted: dict[str, int] = {}
         self.reserved: dict[str, int] = {}
-        self.evicted_total = 0
 
     # -- accounting -------------------------------------------------------------------
     @property
@@ -149,7 +148,6 @@ class Index:
                 del self.segments[sid]
                 os.close(seg.fd)
                 self.evicted[sid] = seg.size
-                self.evicted_total += seg.size
         return entry
 
     def close(self) -> None:

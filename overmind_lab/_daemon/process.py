@@ -138,12 +138,6 @@ def _configure_logging() -> None:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="overmind-lab serve")
-    add_serve_arguments(parser)
-    return serve_command(parser.parse_args(argv))
-
-
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--socket", help="socket path (default: $OVERMIND_LAB_SOCKET or "
                                          "the per-user runtime directory)")
@@ -164,9 +158,3 @@ def serve_command(args: argparse.Namespace) -> int:
         return detach(path, budget)
     _configure_logging()
     return run(path, budget)
-
-
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

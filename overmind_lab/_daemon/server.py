@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from overmind_lab import __version__
-from overmind_lab._common.naming import BUDGET_ENV
+from overmind_lab._common.naming import BUDGET_ENV, SEGMENT_SEALS
 from overmind_lab._common.protocol import AsyncChannel
 from overmind_lab._common.sizes import available_memory, parse_size, total_memory
 from overmind_lab._daemon.holders import HolderScanner
@@ -48,7 +48,6 @@ DEFAULT_BUDGET_FRACTION = 0.5
 KEEPALIVE_SECONDS = 5.0
 IDLE_TIMEOUT = 600.0
 SEND_TIMEOUT = 30.0
-_REQUIRED_SEALS = 0x0001 | 0x0002 | 0x0004 | 0x0008  # SEAL, SHRINK, GROW, WRITE
 
 
 def default_budget() -> int:
@@ -121,6 +120,13 @@ class Daemon:
         except Exception:  # a bad request must never take the daemon down
             log.exception("error while serving a client")
         finally:
+            # Note [Single flight and takeover]: the first lookup of a missing key gets its
+            # lease (``held``); every other lookup of that key waits on ``lease.released``
+            # and sends ``wait`` keepalives meanwhile. The holder stores (or gives up with
+            # ``release``). If it dies or hangs up mid-load instead, its connection ends
+            # here and this ``finally`` releases each lease it still holds: the waiters
+            # wake, find no entry, and the first of them takes the lease and loads itself.
+            # So one process loads at a time, and a crashed loader never blocks the rest.
             for key in held:
                 self._release(key)
             chan.close()
@@ -218,9 +224,6 @@ class Daemon:
                 held.add(key)
                 await asyncio.wait_for(chan.send({"ok": True, "lease": True}), SEND_TIMEOUT)
                 return
-            if not msg.get("wait", True):
-                await chan.send({"ok": True, "busy": True})
-                return
             if not announced:
                 await asyncio.wait_for(chan.send({"ok": True, "wait": True}), SEND_TIMEOUT)
                 announced = True
@@ -302,7 +305,7 @@ class Daemon:
             seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
         except OSError as exc:
             raise _RequestError("bad_request", f"segment {sid} is not a memfd: {exc}") from None
-        if seals & _REQUIRED_SEALS != _REQUIRED_SEALS:
+        if seals & SEGMENT_SEALS != SEGMENT_SEALS:
             raise _RequestError("bad_request", f"segment {sid} is not sealed")
         size = os.fstat(fd).st_size
         if size != int(spec.get("size", -1)):

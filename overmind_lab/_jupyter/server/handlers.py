@@ -91,9 +91,6 @@ class OvermindLab(Configurable):
             self.executor, lambda: fn(self.client())
         )
 
-    def close(self) -> None:
-        self.executor.shutdown(wait=False)
-
 
 def _with_memory(status: dict[str, Any]) -> dict[str, Any]:
     # The daemon reports system memory itself; when it is down we read it here so the
