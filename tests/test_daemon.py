@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -46,7 +47,7 @@ def test_racing_clients_start_exactly_one_daemon(sock_path: Path) -> None:
     pids = {int(p.communicate(timeout=60)[0].strip()) for p in procs}
     assert len(pids) == 1
     assert daemon_pids(sock_path) == list(pids)
-    assert oct(sock_path.parent.stat().st_mode & 0o777)  # exists
+    assert stat.S_IMODE(sock_path.parent.stat().st_mode) & 0o077 == 0  # a private folder
     assert sock_path.stat().st_mode & 0o077 == 0  # the socket is private
 
 
@@ -54,8 +55,10 @@ def test_stale_socket_of_a_dead_daemon_is_replaced(sock_path: Path) -> None:
     dead = socket.socket(socket.AF_UNIX)
     dead.bind(str(sock_path))
     dead.close()  # the file stays, nobody listens
-    status = Client().start()
+    client = Client()
+    status = client.start()
     assert status["running"] and status["pid"] != os.getpid()
+    assert client.replaced_dead_daemon
 
 
 @pytest.mark.skipif(os.getuid() != 0 or shutil.which("setpriv") is None,

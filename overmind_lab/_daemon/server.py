@@ -30,7 +30,7 @@ import socket
 import struct
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from overmind_lab import __version__
 from overmind_lab._common.naming import BUDGET_ENV, SEGMENT_SEALS
@@ -38,6 +38,9 @@ from overmind_lab._common.protocol import AsyncChannel
 from overmind_lab._common.sizes import available_memory, parse_size, total_memory
 from overmind_lab._daemon.holders import HolderScanner
 from overmind_lab._daemon.index import Entry, Index, Segment, TooLarge
+
+if TYPE_CHECKING:
+    from overmind_lab._daemon.refresh import Refresher
 
 __all__ = ["Daemon", "default_budget", "peer_credentials"]
 
@@ -77,7 +80,7 @@ class Daemon:
         self.leases: dict[str, _Lease] = {}
         self.started = time.time()
         self.stopping = asyncio.Event()
-        self.refresher: Any = None  # set by _refresh.attach (avoids an import cycle)
+        self.refresher: Refresher | None = None  # set by refresh.attach
 
     # -- lifecycle --------------------------------------------------------------------
     async def serve(self, sock: socket.socket) -> None:
@@ -90,6 +93,8 @@ class Daemon:
         accepting = asyncio.ensure_future(self._accept_loop(sock))
         await self.stopping.wait()
         accepting.cancel()
+        if self.refresher is not None:
+            self.refresher.close()  # Note [Workers outlive no daemon]
         self.index.close()
         log.info("stopped")
 
