@@ -19,6 +19,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from overmind_lab._common.lookup import match_keys
+
 __all__ = ["Segment", "Entry", "Index", "TooLarge", "WARM_HISTORY"]
 
 WARM_HISTORY = 20
@@ -92,13 +94,8 @@ class Index:
         self.entries.move_to_end(key)
 
     def resolve(self, key_or_prefix: str) -> list[str]:
-        """Keys matching exactly, else by unique prefix, else by exact display name."""
-        if key_or_prefix in self.entries:
-            return [key_or_prefix]
-        matches = [k for k in self.entries if k.startswith(key_or_prefix)]
-        if not matches:
-            matches = [k for k, e in self.entries.items() if e.name == key_or_prefix]
-        return matches
+        """Keys matching exactly, else by prefix, else by exact display name."""
+        return match_keys(key_or_prefix, ((k, e.name) for k, e in self.entries.items()))
 
     # -- budget -----------------------------------------------------------------------
     def reserve(self, token: str, nbytes: int, protect: set[str]) -> list[str]:
