@@ -38,6 +38,7 @@ from overmind_lab._common.protocol import AsyncChannel
 from overmind_lab._common.sizes import available_memory, parse_size, total_memory
 from overmind_lab._daemon.holders import HolderScanner
 from overmind_lab._daemon.index import Entry, Index, Segment, TooLarge
+from overmind_lab._errors import ErrorKind
 
 if TYPE_CHECKING:
     from overmind_lab._daemon.refresh import Refresher
@@ -114,7 +115,7 @@ class Daemon:
             pid, uid, _ = peer_credentials(sock)
             if uid != os.getuid():
                 log.warning("refused a connection from uid %d (pid %d)", uid, pid)
-                await chan.send({"ok": False, "kind": "permission",
+                await chan.send({"ok": False, "kind": ErrorKind.PERMISSION.value,
                                  "error": f"the overmind-lab daemon of uid {os.getuid()} "
                                           f"does not serve uid {uid}"})
                 return
@@ -158,7 +159,7 @@ class Daemon:
                         continue
                     reply, out_fds = self._simple(op, msg, held, pid)
             except _RequestError as exc:
-                reply, out_fds = {"ok": False, "kind": exc.kind, "error": str(exc)}, []
+                reply, out_fds = {"ok": False, "kind": exc.kind.value, "error": str(exc)}, []
             await asyncio.wait_for(chan.send(reply, out_fds), SEND_TIMEOUT)
             if op == "stop":
                 self.stopping.set()
@@ -194,19 +195,19 @@ class Daemon:
         if op == "refresh":
             keys = self._resolve(str(msg.get("key", "")))
             if self.refresher is None:
-                raise _RequestError("unsupported", "this daemon cannot refresh entries")
+                raise _RequestError(ErrorKind.UNSUPPORTED, "this daemon cannot refresh entries")
             entry = self.refresher.start(self.index.entries[keys[0]])
             return {"ok": True, "entry": entry}, []
         if op == "stop":
             return {"ok": True, "pid": os.getpid()}, []
-        raise _RequestError("bad_request", f"unknown operation {op!r}")
+        raise _RequestError(ErrorKind.BAD_REQUEST, f"unknown operation {op!r}")
 
     def _resolve(self, key: str) -> list[str]:
         keys = self.index.resolve(key) if key else []
         if not keys:
-            raise _RequestError("unknown_entry", f"no cache entry matches {key!r}")
+            raise _RequestError(ErrorKind.UNKNOWN_ENTRY, f"no cache entry matches {key!r}")
         if len(keys) > 1:
-            raise _RequestError("unknown_entry",
+            raise _RequestError(ErrorKind.UNKNOWN_ENTRY,
                                 f"{key!r} matches {len(keys)} entries; give more of the key")
         return keys
 
@@ -247,17 +248,17 @@ class Daemon:
     def _reserve(self, msg: dict[str, Any], held: set[str]) -> dict[str, Any]:
         key = str(msg["key"])
         if key not in held:
-            raise _RequestError("no_lease", "reserve needs the lease from lookup")
+            raise _RequestError(ErrorKind.NO_LEASE, "reserve needs the lease from lookup")
         refs = set(msg.get("refs", []))
         protect = {k for k, e in self.index.entries.items() if refs & set(e.segments)}
         missing = refs - set(self.index.segments)
         if missing:
-            raise _RequestError("stale_reference",
+            raise _RequestError(ErrorKind.STALE_REFERENCE,
                                 f"referenced segments were evicted: {sorted(missing)}")
         try:
             evicted = self.index.reserve(key, int(msg["nbytes"]), protect)
         except TooLarge as exc:
-            raise _RequestError("too_large", f"not cached: {exc}") from None
+            raise _RequestError(ErrorKind.TOO_LARGE, f"not cached: {exc}") from None
         if evicted:
             log.info("evicted %d entries to make room: %s", len(evicted), evicted)
         return {"ok": True, "evicted": evicted}
@@ -266,10 +267,10 @@ class Daemon:
         key = str(msg["key"])
         try:
             if key not in held:
-                raise _RequestError("no_lease", "store needs the lease from lookup")
+                raise _RequestError(ErrorKind.NO_LEASE, "store needs the lease from lookup")
             specs = msg.get("segments", [])
             if len(specs) != len(fds):
-                raise _RequestError("bad_request",
+                raise _RequestError(ErrorKind.BAD_REQUEST,
                                     f"{len(specs)} segments announced, {len(fds)} fds sent")
             new = [self._check_segment(spec, fd) for spec, fd in zip(specs, fds, strict=True)]
         except BaseException:
@@ -281,7 +282,7 @@ class Daemon:
         if missing:
             for seg in new:
                 os.close(seg.fd)
-            raise _RequestError("stale_reference",
+            raise _RequestError(ErrorKind.STALE_REFERENCE,
                                 f"referenced segments were evicted meanwhile: {missing}")
         entry = Entry(
             key=key, name=str(msg.get("name", key)), cls=str(msg.get("class", "")),
@@ -305,16 +306,17 @@ class Daemon:
     def _check_segment(self, spec: dict[str, Any], fd: int) -> Segment:
         sid = str(spec.get("id", ""))
         if not sid or sid in self.index.segments:
-            raise _RequestError("bad_request", f"segment id {sid!r} is missing or reused")
+            raise _RequestError(ErrorKind.BAD_REQUEST, f"segment id {sid!r} is missing or reused")
         try:
             seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
         except OSError as exc:
-            raise _RequestError("bad_request", f"segment {sid} is not a memfd: {exc}") from None
+            raise _RequestError(ErrorKind.BAD_REQUEST,
+                                f"segment {sid} is not a memfd: {exc}") from None
         if seals & SEGMENT_SEALS != SEGMENT_SEALS:
-            raise _RequestError("bad_request", f"segment {sid} is not sealed")
+            raise _RequestError(ErrorKind.BAD_REQUEST, f"segment {sid} is not sealed")
         size = os.fstat(fd).st_size
         if size != int(spec.get("size", -1)):
-            raise _RequestError("bad_request", f"segment {sid} has {size} bytes, "
+            raise _RequestError(ErrorKind.BAD_REQUEST, f"segment {sid} has {size} bytes, "
                                                f"{spec.get('size')} announced")
         return Segment(id=sid, fd=fd, size=size)
 
@@ -368,6 +370,6 @@ class Daemon:
 
 
 class _RequestError(Exception):
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: ErrorKind, message: str) -> None:
         super().__init__(message)
         self.kind = kind
