@@ -35,6 +35,8 @@ __all__ = [
     "UnknownEntry",
     "NotCacheable",
     "OvermindWarning",
+    "VerifyMismatch",
+    "verifying",
     "patch_all",
     "unpatch_all",
     "is_patched",
@@ -51,13 +53,15 @@ from overmind_lab._errors import (
     OvermindWarning,
     ProtocolError,
     UnknownEntry,
+    VerifyMismatch,
 )
 
 # Lazily imported names: the module that defines each. Keeps `import overmind_lab`
 # (and the daemon, which imports this package) free of torch, IPython and ipywidgets.
 _LAZY = {
     "load": "_client.load", "bypass": "_client.load", "refreshing": "_client.load",
-    "record_loads": "_client.load", "key_of": "_client.load", "LoadEvent": "_client.load",
+    "record_loads": "_client.load", "verifying": "_client.load",
+    "key_of": "_client.load", "LoadEvent": "_client.load",
     "Client": "_client.client",
     "patch_all": "_jupyter.patch", "unpatch_all": "_jupyter.patch", "is_patched": "_jupyter.patch",
     "get_original": "_jupyter.patch",

@@ -9,6 +9,9 @@
     └── NotCacheable              a call or its result cannot be cached (the caller falls
                                   back to an uncached load; users normally see a warning)
 
+Warnings: ``OvermindWarning`` (the cache stepped aside, the load went on) and its
+subclass ``VerifyMismatch`` (verify mode found a warm hit that differs from a plain load).
+
 Errors from the operating system (``OSError``, ``socket.timeout``) are translated at the
 boundary into these, with ``raise ... from exc`` so the cause stays visible.
 """
@@ -25,6 +28,7 @@ __all__ = [
     "UnknownEntry",
     "NotCacheable",
     "OvermindWarning",
+    "VerifyMismatch",
 ]
 
 
@@ -81,3 +85,11 @@ class NotCacheable(OvermindError):
 
 class OvermindWarning(UserWarning):
     """Warnings from overmind-lab: the cache stepped aside, the load went on."""
+
+
+class VerifyMismatch(OvermindWarning):
+    """Verify mode found a warm hit that differs from a plain load.
+
+    The message names the first difference; the plain result was returned and the entry
+    dropped.
+    """

@@ -9,6 +9,8 @@
     overmind-lab refresh KEY                         reload an entry from its source
     overmind-lab stop                                stop the daemon
     overmind-lab bench [...]                         cold vs warm benchmark
+    overmind-lab kernel install|status|uninstall|restart-zygote [--json]
+                                                     the warm kernel (forked from a zygote)
 
 Every command takes ``--socket PATH`` (default ``$OVERMIND_LAB_SOCKET`` or the per-user
 socket). Exit status: 0 success, 1 failure, 2 usage error, 3 daemon not running.
@@ -139,8 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     refresh.add_argument("key", help="entry key or unique key prefix")
     add("stop", cmd_stop, "stop the daemon", json_flag=False)
     from overmind_lab import bench
+    from overmind_lab._kernel import spec
 
     bench.add_parser(sub)
+    spec.add_parser(sub)
     return parser
 
 

@@ -46,3 +46,26 @@ def wrap(component: torch.nn.Module, extra: int) -> dict[str, Any]:
 def borrow(component: torch.nn.Module, extra: int) -> dict[str, Any]:
     """A result that holds a component's tensor (not the component itself)."""
     return {"weight": component.weight, "own": torch.zeros(extra)}
+
+
+def noisy_load(n: int) -> torch.Tensor:
+    """A loader that warns and logs, as libraries do ("Some weights of ... were not ...")."""
+    import logging
+    import warnings
+
+    warnings.warn(f"noisy_load: {n} values are made up", UserWarning, stacklevel=2)
+    logging.getLogger("transformers.modeling_utils").warning("noisy_load logged %d", n)
+    return torch.ones(n)
+
+
+#: A knob that ``scaled_load`` reads but its key cannot see: changing it between two
+#: loads is a difference that only verify mode can catch.
+HIDDEN_SCALE = [1.0]
+
+
+def scaled_load(n: int) -> torch.Tensor:
+    return torch.full((n,), HIDDEN_SCALE[0])
+
+
+def failing_load(path: str, option: object = None) -> torch.Tensor:
+    raise ValueError(f"cannot load {path}")

@@ -48,7 +48,7 @@ def state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def test_help_comes_from_the_docstring_and_magic_arguments(shell: InteractiveShell) -> None:
     doc = shell.find_line_magic("overmind_load").__doc__
-    assert "%overmind_load [--cold] [--refresh] [-q] [statement ...]" in doc
+    assert "%overmind_load [--cold] [--refresh] [--verify] [-q] [statement ...]" in doc
     assert "Cache ``from_pretrained`` in this kernel" in doc
     assert "--cold       run the statement without the cache" in doc
     assert shell.find_cell_magic("overmind_load") is not None
@@ -81,6 +81,23 @@ def test_a_statement_loads_cold_then_warm_with_one_line_each(
     again = shell.user_ns["unet"]
     assert type(again).__name__ == "UNet2DConditionModel"
     assert all(torch.equal(first[k], v) for k, v in again.state_dict().items())
+
+
+def test_verify_compares_the_hit_with_a_plain_load(
+        shell: InteractiveShell, daemon: Client, capsys: pytest.CaptureFixture[str]) -> None:
+    shell.run_line_magic("overmind_load", LOAD)
+    shell.run_line_magic("overmind_load", "--verify " + LOAD)
+    [_, warm] = lines(capsys)
+    assert warm.startswith("warm ") and "verified equal to a plain load" in warm, warm
+    shell.run_line_magic("overmind_load", "--verify")
+    assert "verify mode on" in lines(capsys)[0]
+    try:
+        shell.run_line_magic("overmind_load", LOAD)
+        assert "verified equal to a plain load" in lines(capsys)[0]
+    finally:
+        overmind_lab.patch_all(verify=False)
+    [entry] = daemon.entries()
+    assert entry["verified"] == 2
 
 
 def test_cold_bypasses_and_refresh_replaces_the_entry(
@@ -157,6 +174,7 @@ def test_an_error_in_the_statement_reaches_the_user_unchanged(
     ("--cold --refresh " + LOAD, None, "--cold and --refresh exclude each other"),
     ("--cold", None, "--cold needs a statement"),
     ("--refresh", None, "--refresh needs a statement"),
+    ("--verify --cold " + LOAD, None, "--verify and --cold exclude each other"),
     ("--bogus " + LOAD, None, "unrecognized arguments: --bogus"),
     (LOAD, "a = 1", "%%overmind_load takes only options on its first line"),
 ])

@@ -264,6 +264,14 @@ function EntryRow({ entry, model }: { entry: IEntry; model: OvermindModel }): JS
         <span title={`${entry.hits} warm loads`}>
           {entry.hits} {entry.hits === 1 ? 'hit' : 'hits'}
         </span>
+        {entry.verified ? (
+          <span
+            className="jp-OvermindLab-verified"
+            title={`${entry.verified} warm loads were compared with a plain load and found equal (verify mode)`}
+          >
+            {entry.verified} verified
+          </span>
+        ) : null}
         <span title={new Date(entry.last_used * 1000).toLocaleString()}>
           used {formatAgo(entry.last_used)}
         </span>

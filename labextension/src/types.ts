@@ -37,6 +37,8 @@ export interface IEntry {
   /** Epoch seconds. */
   last_used: number;
   hits: number;
+  /** Hits that verify mode found equal to a plain load (absent from older daemons). */
+  verified?: number;
   cold_seconds: number | null;
   store_seconds: number | null;
   /** Recent warm load times, newest last. */

@@ -204,10 +204,14 @@ class Session:
     def request(self, msg: dict[str, Any], fds: list[int] | None = None) -> dict[str, Any]:
         return call(self.chan, msg, fds)[0]
 
-    def report(self, key: str, seconds: float) -> None:
-        """Tell the daemon how long a warm load took (no reply)."""
+    def report(self, key: str, seconds: float, *, verified: bool | None = None) -> None:
+        """Tell the daemon how long a warm load took, and whether verify mode passed it
+        (no reply)."""
+        msg: dict[str, Any] = {"op": "report", "key": key, "seconds": seconds}
+        if verified is not None:
+            msg["verified"] = verified
         try:
-            self.chan.send({"op": "report", "key": key, "seconds": seconds})
+            self.chan.send(msg)
         except OSError:
             pass  # statistics only
 
@@ -256,7 +260,7 @@ def _refusal(reply: dict[str, Any]) -> OvermindError:
 def _resolve(path: str | os.PathLike[str] | None) -> Path:
     resolved = socket_path(path)
     if len(os.fsencode(resolved)) >= 108:
-        raise ValueError(f"socket path {resolved} is too long for a Unix socket "
+        raise DaemonUnavailable(f"socket path {resolved} is too long for a Unix socket "
                          f"(108 bytes max); set {SOCKET_ENV} to a shorter path")
     return resolved
 

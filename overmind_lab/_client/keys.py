@@ -10,7 +10,9 @@ A key hashes:
 - a signature of the source: for a local directory the relative paths, sizes and mtimes
   of its files, for a file its size and mtime, for a hub id the revision resolved in the
   local hub cache (and the snapshot's files);
-- the versions of Python, torch, the loading library and this package's format.
+- the versions of Python, torch, the loading libraries and this package's format;
+- the process state the loaders read besides their arguments (``Note [What a warm hit
+  skips]``).
 
 An argument that cannot be normalized raises :class:`NotCacheable`; the call then runs
 uncached.
@@ -18,8 +20,11 @@ uncached.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import functools
 import hashlib
+import importlib.util
 import inspect
 import json
 import os
@@ -35,7 +40,7 @@ from overmind_lab._errors import NotCacheable
 __all__ = ["KeyInfo", "make_key", "key_of", "remember", "FORMAT_VERSION"]
 
 #: Bump when the stored layout changes: old entries then simply miss.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAX_SOURCE_FILES = 20000
 _SOURCE_PARAMS = ("pretrained_model_name_or_path", "pretrained_model_link_or_path",
                   "path", "model_path")
@@ -112,20 +117,39 @@ def _code_identity(fn: Callable[..., Any]) -> Any:
 
 
 # -- arguments --------------------------------------------------------------------------
-def normalize(value: Any, where: str) -> Any:
-    """A JSON-able, canonical description of an argument value."""
+#: Nesting beyond this (or a cycle) makes an argument uncacheable rather than slow.
+MAX_DEPTH = 32
+
+
+def normalize(value: Any, where: str, _seen: tuple[int, ...] = ()) -> Any:
+    """A JSON-able, canonical description of an argument value.
+
+    Config-like objects (anything with ``to_dict``, and dataclasses) enter through their
+    complete state: every attribute, private ones and nested configs included, not the
+    library's ``to_dict()``, which drops fields such as ``_attn_implementation_internal``
+    that change what ``from_pretrained`` builds.
+    """
     if value is None or isinstance(value, (bool, int, str)):
         return value
+    if len(_seen) > MAX_DEPTH or id(value) in _seen:
+        raise NotCacheable(f"argument {where} is nested too deeply or refers to itself")
+    seen = (*_seen, id(value))
     if isinstance(value, float):
         return {"float": repr(value)}
     if isinstance(value, os.PathLike):
         return {"path": _source_signature(os.fspath(value))}
+    if isinstance(value, bytes):
+        return {"bytes": hashlib.sha256(value).hexdigest()}
     if isinstance(value, (list, tuple)):
-        return {type(value).__name__: [normalize(v, where) for v in value]}
+        return {type(value).__name__: [normalize(v, where, seen) for v in value]}
+    if isinstance(value, (set, frozenset)):
+        items = [normalize(v, where, seen) for v in value]
+        return {"set": sorted(items, key=lambda p: json.dumps(p, sort_keys=True))}
     if isinstance(value, dict):
         if all(isinstance(k, str) for k in value):
-            return {"dict": {k: normalize(value[k], f"{where}[{k!r}]") for k in sorted(value)}}
-        pairs = [[normalize(k, f"{where} key"), normalize(v, f"{where}[{k!r}]")]
+            return {"dict": {k: normalize(value[k], f"{where}[{k!r}]", seen)
+                             for k in sorted(value)}}
+        pairs = [[normalize(k, f"{where} key", seen), normalize(v, f"{where}[{k!r}]", seen)]
                  for k, v in value.items()]  # e.g. id2label = {0: "negative", ...}
         return {"pairs": sorted(pairs, key=lambda p: json.dumps(p, sort_keys=True))}
     cached = key_of(value)
@@ -138,19 +162,30 @@ def normalize(value: Any, where: str) -> Any:
     torchy = _normalize_torch(value)
     if torchy is not None:
         return torchy
-    to_dict = getattr(value, "to_dict", None)
-    if callable(to_dict) and not inspect.isclass(value):
-        try:
-            as_dict = to_dict()
-        except Exception as exc:
-            raise NotCacheable(f"argument {where}: {type(value).__name__}.to_dict() "
-                               f"failed: {exc}") from exc
+    if callable(getattr(value, "to_dict", None)) or dataclasses.is_dataclass(value):
         return {"object": f"{type(value).__module__}.{type(value).__qualname__}",
-                "state": normalize(as_dict, where)}
+                "state": _complete_state(value, where, seen)}
     raise NotCacheable(
         f"argument {where} of type {type(value).__module__}.{type(value).__qualname__} "
         "cannot be part of a cache key (only plain values, paths, dtypes, devices, "
         "configs and objects loaded through the cache can)")
+
+
+def _complete_state(value: Any, where: str, seen: tuple[int, ...]) -> Any:
+    """Every attribute of a config-like object, canonical (see :func:`normalize`)."""
+    state = getattr(value, "__dict__", None)
+    if not isinstance(state, dict):
+        raise NotCacheable(f"argument {where} of type {type(value).__qualname__} has no "
+                           "attribute dictionary, so its state cannot be part of a cache key")
+    out = {}
+    for name in sorted(state):
+        out[name] = normalize(state[name], f"{where}.{name}", seen)
+    slots = [s for cls in type(value).__mro__ for s in getattr(cls, "__slots__", ())
+             if s not in ("__dict__", "__weakref__")]
+    for name in sorted(set(slots)):
+        if hasattr(value, name):
+            out[f"slot:{name}"] = normalize(getattr(value, name), f"{where}.{name}", seen)
+    return out
 
 
 def _normalize_torch(value: Any) -> Any:
@@ -221,13 +256,79 @@ def _hub_signature(repo_id: str, revision: Any) -> dict[str, Any]:
     return {"hub": repo_id, "revision": revision}
 
 
+# Note [What a warm hit skips]: a hit returns what an earlier call built, so everything
+# that call read and that can change what it builds must be in the key. Besides the
+# arguments and the source files, diffusers' and transformers' ``from_pretrained`` (and
+# the tokenizer, processor and scheduler loaders) read:
+#
+# - library versions: python, torch, diffusers, transformers, accelerate, safetensors,
+#   huggingface_hub, tokenizers, peft (which code runs; accelerate changes the default
+#   of ``low_cpu_mem_usage``, peft whether adapters load);                  -> _versions
+# - torch's default dtype (``torch.set_default_dtype``) and default device
+#   (``torch.set_default_device``): parameters are created with them;     -> _process_state
+# - the accelerators torch sees (CUDA/MPS device counts: ``device_map="auto"``);
+# - which attention backends are installed (flash_attn, flash_attn_interface, kernels,
+#   xformers, sageattention): transformers picks the default ``attn_implementation``
+#   from them, diffusers its dispatch backend;
+# - environment variables: every ``DIFFUSERS_*``, ``TRANSFORMERS_*``, ``HF_*``,
+#   ``ACCELERATE_*`` and ``USE_*`` variable (``DIFFUSERS_ATTN_BACKEND``,
+#   ``TRANSFORMERS_SDPA_FORCE_GQA``, ``USE_SAFETENSORS``, ``HF_ENDPOINT``,
+#   ``HF_MODULES_CACHE``...) and the distributed ones (``WORLD_SIZE``, ``RANK``,
+#   ``LOCAL_RANK``), except those that only change what is printed or who you are
+#   (``_ENV_IGNORED``: verbosity, progress bars, telemetry, tokens).
+#
+# Deliberately not in the key, because they are handled otherwise:
+# - random generators: a load that draws from one is not cached at all (``Note
+#   [Loads that draw random numbers]`` in ``load``);
+# - warnings and log records: recorded with the entry and replayed on a hit;
+# - side effects on arguments (transformers sets private fields of a ``config=`` it is
+#   given): a hit does not repeat them;
+# - ``torch.backends`` flags (TF32, SDPA kernel choice): they act when a model runs, not
+#   when it is built, and a hit leaves them as they are.
+_VERSIONED = ("torch", "diffusers", "transformers", "accelerate", "safetensors",
+              "huggingface_hub", "tokenizers", "peft")
+_ENV_PREFIXES = ("DIFFUSERS_", "TRANSFORMERS_", "HF_", "ACCELERATE_", "USE_")
+_ENV_NAMES = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
+_ENV_IGNORED = frozenset({
+    "TRANSFORMERS_VERBOSITY", "DIFFUSERS_VERBOSITY", "HF_HUB_VERBOSITY",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS", "HF_HUB_DISABLE_PROGRESS_BARS",
+    "HF_HUB_DISABLE_TELEMETRY", "HF_HUB_DISABLE_IMPLICIT_TOKEN", "HF_TOKEN",
+    "HUGGING_FACE_HUB_TOKEN", "HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT",
+    "HF_HUB_DISABLE_SYMLINKS_WARNING", "HF_HUB_DISABLE_EXPERIMENTAL_WARNING",
+})
+_ATTENTION_PACKAGES = ("flash_attn", "flash_attn_interface", "kernels", "xformers",
+                       "sageattention")
+
+
 def _versions(qualname: str) -> dict[str, str]:
     out = {"python": sys.version.split()[0], "format": str(FORMAT_VERSION)}
-    for lib in {"torch", qualname.split(".")[0]}:
+    for lib in {*_VERSIONED, qualname.split(".")[0]}:
         mod = sys.modules.get(lib)
         if mod is not None:
             out[lib] = str(getattr(mod, "__version__", "?"))
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def _attention_packages() -> tuple[str, ...]:
+    # Looked up once per process: installing one mid-session needs a restart to be
+    # used by the libraries too (they cache the same answer).
+    return tuple(p for p in _ATTENTION_PACKAGES if importlib.util.find_spec(p) is not None)
+
+
+def _process_state() -> dict[str, Any]:
+    """Inputs of the loaders that are neither arguments nor files (the Note above)."""
+    env = {k: v for k, v in os.environ.items()
+           if (k.startswith(_ENV_PREFIXES) or k in _ENV_NAMES) and k not in _ENV_IGNORED}
+    state: dict[str, Any] = {"env": env, "attention": list(_attention_packages())}
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        state["default_dtype"] = str(torch.get_default_dtype())
+        state["default_device"] = str(torch.get_default_device())
+        state["cuda_devices"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        mps = getattr(torch.backends, "mps", None)
+        state["mps"] = bool(mps is not None and mps.is_available())
+    return state
 
 
 # -- the key ----------------------------------------------------------------------------
@@ -258,7 +359,7 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...],
         else:
             normalized[pname] = normalize(value, pname)
     material = {"callable": qual, "code": _code_identity(fn), "args": normalized,
-                "versions": _versions(qual)}
+                "versions": _versions(qual), "process": _process_state()}
     digest = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
     return KeyInfo(key=digest[:32], name=_display_name(qual, bound, source_param),
                    callable=qual, source=source,

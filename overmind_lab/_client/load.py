@@ -5,6 +5,14 @@ pickled with tensor bytes out of band, the bytes go into a sealed memfd handed t
 daemon, and the caller gets the object rebuilt from that segment, exactly as any later
 process will. The cache never makes a load fail: whatever goes wrong on the cache's side,
 the caller gets the original function's result and one warning.
+
+A hit must be indistinguishable from the plain load it replaces: the key covers every
+input (``Note [What a warm hit skips]`` in ``keys``); a load that draws random numbers is
+not cached (``Note [Loads that draw random numbers]``); warnings and log records of the
+cold call are replayed on every hit; and exceptions of the original loader reach the
+caller with none of ours attached (``Note [Clean exceptions]``). Verify mode
+(``OVERMIND_LAB_VERIFY=1``, ``patch_all(verify=True)``, :func:`verifying`) checks every
+hit against a plain load.
 """
 
 from __future__ import annotations
@@ -20,12 +28,16 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from overmind_lab._client import keys as _keys
+from overmind_lab._client import observe
 from overmind_lab._client.client import Client, Session
 from overmind_lab._client.pickling import dump, load_stream
 from overmind_lab._client.segments import map_segment, new_segment_id, write_segment
-from overmind_lab._errors import NotCacheable, OvermindError, OvermindWarning
+from overmind_lab._errors import NotCacheable, OvermindError, OvermindWarning, VerifyMismatch
 
-__all__ = ["load", "bypass", "refreshing", "record_loads", "LoadEvent", "key_of"]
+__all__ = ["load", "bypass", "refreshing", "verifying", "set_verify", "record_loads",
+           "LoadEvent", "key_of"]
+
+VERIFY_ENV = "OVERMIND_LAB_VERIFY"
 
 T = TypeVar("T")
 key_of = _keys.key_of
@@ -41,6 +53,7 @@ class LoadEvent:
     seconds: float
     cold_seconds: float | None = None
     reason: str | None = None
+    verified: bool | None = None  # verify mode: the hit equalled a plain load (or not)
 
 
 class _State(threading.local):
@@ -48,11 +61,24 @@ class _State(threading.local):
         self.depth = 0
         self.bypass = 0
         self.refresh = 0
+        self.verify = 0
         self.recorders: list[list[LoadEvent]] = []
 
 
 _state = _State()
 _warned: set[str] = set()
+_verify_all = False
+
+
+def set_verify(on: bool) -> None:
+    """Verify every hit in this process (``patch_all(verify=True)`` calls this)."""
+    global _verify_all
+    _verify_all = on
+
+
+def _verify_on() -> bool:
+    env = os.environ.get(VERIFY_ENV, "").strip().lower()
+    return bool(_state.verify or _verify_all or env not in ("", "0", "false", "no", "off"))
 
 
 def _warn_once(tag: str, message: str) -> None:
@@ -86,6 +112,16 @@ def refreshing() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def verifying() -> Iterator[None]:
+    """Every hit inside is also loaded plainly and compared (see :func:`load`)."""
+    _state.verify += 1
+    try:
+        yield
+    finally:
+        _state.verify -= 1
+
+
+@contextlib.contextmanager
 def record_loads() -> Iterator[list[LoadEvent]]:
     """Collect a :class:`LoadEvent` for every ``load()`` inside (this thread)."""
     events: list[LoadEvent] = []
@@ -93,7 +129,8 @@ def record_loads() -> Iterator[list[LoadEvent]]:
     try:
         yield events
     finally:
-        _state.recorders.remove(events)
+        # By identity: two recorders that are equal (both empty, say) are still two.
+        _state.recorders[:] = [r for r in _state.recorders if r is not events]
 
 
 def _emit(event: LoadEvent) -> None:
@@ -127,19 +164,29 @@ def load(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         _emit(LoadEvent(None, _keys.describe(fn, args, kwargs), "bypass",
                         time.perf_counter() - start))
         return result
+    # Note [Clean exceptions]: the original loader is never called inside one of our
+    # ``except`` blocks. An exception it raised there would carry ours as __context__,
+    # and the user's traceback would show overmind-lab's internals under "During
+    # handling of the above exception". Each ``except`` only decides; the call follows.
+    key_error: str | None = None
     try:
         info = _keys.make_key(fn, args, kwargs)
     except NotCacheable as exc:
-        _warn_once(f"key:{exc}", f"loading without the cache: {exc}")
+        key_error = str(exc)
+    if key_error is not None:
+        _warn_once(f"key:{key_error}", f"loading without the cache: {key_error}")
         result = _plain(fn, args, kwargs)
         _emit(LoadEvent(None, _keys.describe(fn, args, kwargs), "uncached",
-                        time.perf_counter() - start, reason=str(exc)))
+                        time.perf_counter() - start, reason=key_error))
         return result
-    client = Client()
+    unavailable: BaseException | None = None
     try:
+        client = Client()
         session = client.session()
     except (OvermindError, OSError) as exc:
-        return _fallback(fn, args, kwargs, info, start, exc)
+        unavailable = exc
+    if unavailable is not None:
+        return _fallback(fn, args, kwargs, info, start, unavailable)
     if client.replaced_dead_daemon:
         _warn_once(f"restart:{client.path}:{time.time()}",
                    f"the cache daemon on {client.path} had died; a new one was started "
@@ -160,41 +207,48 @@ def _fallback(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any
 
 def _load_with(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
                kwargs: dict[str, Any], info: _keys.KeyInfo, start: float) -> T:
+    unavailable: BaseException | None = None
     try:
         reply, fds = session.lookup(info.key, refresh=bool(_state.refresh))
     except (OvermindError, OSError) as exc:
-        return _fallback(fn, args, kwargs, info, start, exc)
+        unavailable = exc
+    if unavailable is not None:
+        return _fallback(fn, args, kwargs, info, start, unavailable)
     components = _components(args, kwargs)
     if reply.get("hit"):
-        try:
-            obj = _rebuild(reply["entry"], fds, components)
-        except Exception as exc:  # noqa: BLE001 - any rebuild failure means: load it
-            _warn_once(f"rebuild:{info.key}", f"could not rebuild {info.name} from the "
-                                              f"cache ({exc!r}); loading it from source")
-            result = _plain(fn, args, kwargs)
-            _emit(LoadEvent(info.key, info.name, "uncached", time.perf_counter() - start,
-                            reason=f"rebuild failed: {exc}"))
-            return result
-        seconds = time.perf_counter() - start
-        session.report(info.key, seconds)
-        _emit(LoadEvent(info.key, info.name, "warm", seconds,
-                        cold_seconds=reply["entry"].get("cold_seconds")))
-        return obj  # type: ignore[no-any-return]
+        return _hit(session, fn, args, kwargs, info, start, reply, fds, components)
     # We hold the lease: load it here, then park it. An exception from fn propagates
     # unchanged; closing the session releases the lease for the next waiter.
-    result = _plain(fn, args, kwargs)
+    rng_before = observe.snapshot()
+    with observe.Capture() as capture:
+        result = _plain(fn, args, kwargs)
     cold = time.perf_counter() - start
-    try:
-        obj = _store(session, info, result, cold, components)
-    except NotCacheable as exc:
-        _warn_once(f"store:{info.key}:{exc}", f"{info.name} was loaded but not cached: {exc}")
+    drawn = observe.changed(rng_before, observe.snapshot())
+    if drawn:
+        # Note [Loads that draw random numbers]: a load that moved a random generator
+        # (weights initialised at random: a new head, ignore_mismatched_sizes) depends
+        # on the seed, and leaves the generator somewhere else. A hit would give seed 1
+        # the weights drawn for seed 0 and leave the stream where it was. Such loads are
+        # not cached, so seeded notebooks behave exactly as without the cache.
+        # (Keying on the generators' state instead would miss for every fresh process:
+        # numpy and random are seeded from entropy.)
+        reason = (f"it draws random numbers ({', '.join(drawn)} generator) while loading, "
+                  "e.g. to initialise weights missing from the checkpoint; it is not "
+                  "cached, so that seeds keep working")
+        _warn_once(f"random:{info.key}", f"{info.name} was loaded but not cached: {reason}")
         _emit(LoadEvent(info.key, info.name, "uncached", time.perf_counter() - start,
-                        reason=str(exc)))
+                        reason=reason))
         return result
+    failure: BaseException | None = None
+    try:
+        obj = _store(session, info, result, cold, components, capture.observed)
     except (OvermindError, OSError) as exc:
-        _warn_once(f"store:{exc}", f"{info.name} was loaded but could not be cached: {exc}")
+        failure = exc
+    if failure is not None:
+        verb = "not cached" if isinstance(failure, NotCacheable) else "could not be cached"
+        _warn_once(f"store:{info.key}:{failure}", f"{info.name} was loaded but {verb}: {failure}")
         _emit(LoadEvent(info.key, info.name, "uncached", time.perf_counter() - start,
-                        reason=str(exc)))
+                        reason=str(failure)))
         return result
     _emit(LoadEvent(info.key, info.name, "cold", time.perf_counter() - start,
                     cold_seconds=cold))
@@ -204,18 +258,81 @@ def _load_with(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
     return obj  # type: ignore[no-any-return]
 
 
-def _store(session: Session, info: _keys.KeyInfo, result: Any, cold: float,
-           components: dict[str, Any]) -> Any:
-    """Park ``result`` in a new segment; return the object rebuilt from the cache.
+def _hit(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
+         kwargs: dict[str, Any], info: _keys.KeyInfo, start: float, reply: dict[str, Any],
+         fds: list[int], components: dict[str, Any]) -> T:
+    rng_before = observe.snapshot() if _verify_on() else None
+    rebuild_error: BaseException | None = None
+    try:
+        obj = _rebuild(reply["entry"], fds, components)
+    except Exception as exc:  # noqa: BLE001 - any rebuild failure means: load it
+        rebuild_error = exc
+    if rebuild_error is not None:
+        _warn_once(f"rebuild:{info.key}", f"could not rebuild {info.name} from the "
+                                          f"cache ({rebuild_error!r}); loading it from source")
+        result = _plain(fn, args, kwargs)
+        _emit(LoadEvent(info.key, info.name, "uncached", time.perf_counter() - start,
+                        reason=f"rebuild failed: {rebuild_error}"))
+        return result
+    observed = observe.Observed.from_json(reply["entry"]["meta"].get("observed"))
+    observe.replay(observed)
+    seconds = time.perf_counter() - start
+    verified: bool | None = None
+    if rng_before is not None:
+        plain, mismatch = _verify(fn, args, kwargs, obj, observed, rng_before)
+        verified = mismatch is None
+        if mismatch is not None:
+            warnings.warn(f"overmind-lab: warm hit of {info.name} differs from plain load "
+                          f"in {mismatch}; returning the plain result and dropping the "
+                          "entry", VerifyMismatch, stacklevel=4)
+            with contextlib.suppress(OvermindError, OSError):
+                session.request({"op": "evict", "key": info.key})
+            _emit(LoadEvent(info.key, info.name, "uncached", time.perf_counter() - start,
+                            reason=f"verify: differs in {mismatch}", verified=False))
+            return plain  # type: ignore[no-any-return]
+    session.report(info.key, seconds, verified=verified)
+    _emit(LoadEvent(info.key, info.name, "warm", seconds,
+                    cold_seconds=reply["entry"].get("cold_seconds"), verified=verified))
+    return obj  # type: ignore[no-any-return]
 
-    A result that only ``dill`` could pickle (a class defined inside a function, say) is
-    returned as is: rebuilt, its class would be a copy, and ``isinstance`` would fail in
-    this process.
+
+def _verify(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+            warm: Any, observed: observe.Observed,
+            rng_before: dict[str, Any]) -> tuple[Any, str | None]:
+    """Load plainly from the same generator state and compare with the hit.
+
+    Returns the plain result and the first difference (``None`` when they are equal).
+    The generators are left as the plain load leaves them.
     """
+    from overmind_lab._client.verify import difference
+
+    rng_warm = observe.snapshot()
+    observe.restore(rng_before)
+    with observe.Capture(emit=False) as capture:
+        plain = _plain(fn, args, kwargs)
+    rng_plain = observe.snapshot()
+    found = difference(warm, plain)
+    if found is None:
+        drawn = observe.changed(rng_warm, rng_plain)
+        if drawn:
+            found = f"the random generators' state after the load ({', '.join(drawn)})"
+    # What the plain load said must be among what the hit replayed. Not the reverse: a
+    # plain load in a process that has shown a once-only message (the default warnings
+    # filter, transformers' ``warning_once``) stays silent where a hit replays it.
+    unsaid = [m for m in capture.observed.messages() if m not in observed.messages()]
+    if found is None and unsaid:
+        found = f"the warnings and log records emitted: the plain load also said {unsaid!r}"
+    return plain, found
+
+
+def _store(session: Session, info: _keys.KeyInfo, result: Any, cold: float,
+           components: dict[str, Any], observed: observe.Observed) -> Any:
+    """Park ``result`` in a new segment; return the object rebuilt from the cache."""
     from overmind_lab._errors import ProtocolError
 
     t0 = time.perf_counter()
     stream, plan, kind = dump(result, {id(v): k for k, v in components.items()})
+    expected = type(result)
     stream_offset = plan.place(stream, len(stream))
     refs = [m.segment_id for m in plan.refs]
     try:
@@ -231,7 +348,7 @@ def _store(session: Session, info: _keys.KeyInfo, result: Any, cold: float,
     plan.items.clear()
     try:
         meta = {"stream": [0, stream_offset, len(stream)], "pickler": kind,
-                "buffers": plan.buffers}
+                "buffers": plan.buffers, "observed": observed.to_json()}
         session.request({
             "op": "store", "key": info.key, "name": info.name,
             "class": f"{type(result).__module__}.{type(result).__qualname__}",
@@ -244,13 +361,14 @@ def _store(session: Session, info: _keys.KeyInfo, result: Any, cold: float,
         os.close(fd)
     # Rebuild from the segment, as every later process will: the loader's own copy can
     # be freed, and the result carries its provenance (Note [Provenance]).
-    if kind == "dill":
-        _keys.remember(result, info.key)
-        return result
     reply, fds = session.lookup(info.key, own=True)
     if not reply.get("hit"):
         raise OvermindError("the entry vanished right after it was stored")
-    return _rebuild(reply["entry"], fds, components)
+    obj = _rebuild(reply["entry"], fds, components)
+    if type(obj) is not expected:  # Note [Classes by reference] makes this unreachable
+        session.request({"op": "evict", "key": info.key})
+        raise NotCacheable(f"it came back from the cache as {type(obj)!r}, not {expected!r}")
+    return obj
 
 
 def _components(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -24,6 +24,7 @@ import json
 import os
 import pickle
 import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -175,6 +176,32 @@ def rebuild_tokenizer(stub: str, vocab: dict[str, int], merges: list[tuple[str, 
     return tok
 
 
+# Note [Hashes of strings]: transformers' GenerationConfig records ``hash(self)`` (a hash
+# of its JSON text) when it is loaded, and later compares it with ``hash(self)`` to tell
+# whether the user changed it (``generate`` then acts differently). String hashes are
+# salted per process, so a recorded hash unpickled in another process never matches: a
+# warm hit would look modified. An object whose recorded hash was current when it was
+# pickled gets it recomputed when it is rebuilt, as a plain load would compute it.
+def reduce_rehashed(obj: Any, state: dict[str, Any]) -> tuple[Any, ...]:
+    current = state.get("_original_object_hash") == _safe_hash(obj)
+    return (rebuild_rehashed, (type(obj), dict(state), current))
+
+
+def _safe_hash(obj: Any) -> int | None:
+    try:
+        return hash(obj)
+    except TypeError:
+        return None
+
+
+def rebuild_rehashed(cls: type[Any], state: dict[str, Any], current: bool) -> Any:
+    obj = object.__new__(cls)  # a plain instance, as pickle makes one (copyreg.__newobj__)
+    obj.__dict__.update(state)
+    if current:
+        obj._original_object_hash = _safe_hash(obj)
+    return obj
+
+
 def _make_pickler(base: type, file: io.BytesIO, plan: WritePlan,
                   components: dict[int, str]) -> Any:
     import torch
@@ -186,6 +213,9 @@ def _make_pickler(base: type, file: io.BytesIO, plan: WritePlan,
                 return reduce_tensor(obj, cls is torch.nn.Parameter)
             if cls.__module__ == "tokenizers" and cls.__name__ == "Tokenizer":
                 return reduce_tokenizer(obj)
+            state = getattr(obj, "__dict__", None)
+            if isinstance(state, dict) and "_original_object_hash" in state:
+                return reduce_rehashed(obj, state)
             return NotImplemented
 
         def persistent_id(self, obj: Any) -> Any:
@@ -220,7 +250,21 @@ def dump(obj: Any, components: dict[int, str] | None = None) -> tuple[bytes, Wri
         file = io.BytesIO()
         try:
             base = pickle.Pickler if kind == "pickle" else _dill().Pickler
-            _make_pickler(base, file, plan, components or {}).dump(obj)
+            pickler = _make_pickler(base, file, plan, components or {})
+            if kind == "pickle":
+                pickler.dump(obj)
+            else:
+                # Note [Classes by reference]: dill would pickle a class it cannot find by
+                # name (one defined inside a function) by value; a hit would then rebuild
+                # a copy of the class and ``isinstance(model, TinyNet)`` would be False.
+                # Classes go by reference, as with plain pickle: such a result cannot be
+                # pickled, and is returned uncached. Functions and lambdas still go by
+                # value, which keeps their behaviour.
+                pickler._byref = True
+                with warnings.catch_warnings():
+                    # dill warns about each class it cannot find by name, then fails on it
+                    warnings.simplefilter("ignore", _dill().PicklingWarning)
+                    pickler.dump(obj)
             return file.getvalue(), plan, kind
         except (pickle.PicklingError, TypeError, AttributeError, ValueError) as exc:
             errors.append(exc)

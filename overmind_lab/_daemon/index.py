@@ -55,6 +55,7 @@ class Entry:
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
     hits: int = 0
+    verified: int = 0  # hits that verify mode found equal to a plain load
     warm_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=WARM_HISTORY))
     refresh: dict[str, Any] = field(
         default_factory=lambda: {"state": "idle", "message": "", "started": None}

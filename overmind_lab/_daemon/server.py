@@ -324,6 +324,8 @@ class Daemon:
         entry = self.index.get(str(msg.get("key")))
         if entry is not None and isinstance(msg.get("seconds"), (int, float)):
             entry.warm_seconds.append(float(msg["seconds"]))
+        if entry is not None and msg.get("verified") is True:
+            entry.verified += 1
 
     # -- views ------------------------------------------------------------------------
     def _wire_entry(self, entry: Entry) -> dict[str, Any]:
@@ -362,6 +364,7 @@ class Daemon:
                 "callable": entry.callable, "source": entry.source, "bytes": own,
                 "shared_bytes": shared, "tensors": entry.tensors, "created": entry.created,
                 "last_used": entry.last_used, "hits": entry.hits,
+                "verified": entry.verified,
                 "cold_seconds": entry.cold_seconds, "store_seconds": entry.store_seconds,
                 "warm_seconds": list(entry.warm_seconds), "holders": sorted(holders),
                 "replayable": entry.call is not None, "refresh": dict(entry.refresh),

@@ -91,6 +91,8 @@ def describe_load(event: Any) -> str:
             text = f"warm {seconds} (cold load was {format_seconds(cold)}{extra})"
         else:
             text = f"warm {seconds}"
+        if getattr(event, "verified", None):
+            text += ", verified equal to a plain load"
     elif outcome == "cold":
         text = f"cold {seconds}, now cached"
     elif outcome == "bypass":
@@ -159,6 +161,12 @@ ENTRY_HEADERS = ("name", "size", "shared", "hits", "cold", "warm", "speedup", "h
                   "last used")
 
 
+def _hits(entry: dict[str, Any]) -> str:
+    """``"5"``, or ``"5 (3 verified)"`` when verify mode compared some of them."""
+    hits, verified = entry.get("hits", 0), entry.get("verified", 0)
+    return f"{hits} ({verified} verified)" if verified else str(hits)
+
+
 def entry_row(entry: dict[str, Any], now: float | None = None) -> list[str]:
     """The cells of one entry (daemon ``list`` JSON) in `ENTRY_HEADERS` order."""
     warm = entry.get("warm_seconds") or []
@@ -168,7 +176,7 @@ def entry_row(entry: dict[str, Any], now: float | None = None) -> list[str]:
         str(entry.get("name", entry.get("key", "?"))),
         format_bytes(entry.get("bytes")),
         format_bytes(entry.get("shared_bytes")) if entry.get("shared_bytes") else "-",
-        str(entry.get("hits", 0)),
+        _hits(entry),
         format_seconds(entry.get("cold_seconds")),
         format_seconds(last_warm),
         format_speedup(entry.get("cold_seconds"), last_warm) or "-",

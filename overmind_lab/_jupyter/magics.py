@@ -69,6 +69,9 @@ class OvermindMagics(Magics):
               help="run the statement without the cache (the plain load, for comparisons)")
     @argument("--refresh", action="store_true",
               help="load from the source again and replace the cache entries")
+    @argument("--verify", action="store_true",
+              help="also load every hit plainly and compare (proof that the warm result "
+                   "equals a plain load); alone, turns this on for the kernel")
     @argument("-q", "--quiet", action="store_true", help="print nothing")
     @argument("statement", nargs="*",
               help="Python statement to run with caching, e.g. "
@@ -98,6 +101,12 @@ class OvermindMagics(Magics):
                 "--cold and --refresh exclude each other: --cold skips the cache, "
                 "--refresh replaces its entries."
             )
+        if args.verify and (args.cold or args.refresh):
+            other = "--cold" if args.cold else "--refresh"
+            raise UsageError(
+                f"--verify and {other} exclude each other: --verify checks warm hits "
+                f"against a plain load, and {other} makes no warm hit."
+            )
         if cell is not None and statement:
             raise UsageError(
                 "%%overmind_load takes only options on its first line; put the statements "
@@ -106,6 +115,14 @@ class OvermindMagics(Magics):
         source = cell if cell is not None else statement
         _ensure_patched()
         if not source.strip():
+            if args.verify:
+                import overmind_lab
+
+                overmind_lab.patch_all(verify=True)
+                if not args.quiet:
+                    print("overmind-lab: verify mode on in this kernel: every warm hit is "
+                          "also loaded plainly and compared")
+                return None
             if args.cold or args.refresh:
                 flag = "--cold" if args.cold else "--refresh"
                 raise UsageError(
@@ -115,7 +132,8 @@ class OvermindMagics(Magics):
             if not args.quiet:
                 print(_kernel_status())
             return None
-        return self._run(source, cold=args.cold, refresh=args.refresh, quiet=args.quiet)
+        return self._run(source, cold=args.cold, refresh=args.refresh, verify=args.verify,
+                         quiet=args.quiet)
 
     @magic_arguments()
     @line_magic
@@ -140,7 +158,8 @@ class OvermindMagics(Magics):
 
     # ---------------------------------------------------------------------------------
 
-    def _run(self, source: str, *, cold: bool, refresh: bool, quiet: bool) -> Any:
+    def _run(self, source: str, *, cold: bool, refresh: bool, verify: bool,
+             quiet: bool) -> Any:
         import overmind_lab
 
         mode: contextlib.AbstractContextManager[Any]
@@ -148,6 +167,8 @@ class OvermindMagics(Magics):
             mode = overmind_lab.bypass()
         elif refresh:
             mode = overmind_lab.refreshing()
+        elif verify:
+            mode = overmind_lab.verifying()
         else:
             mode = contextlib.nullcontext()
         with overmind_lab.record_loads() as events, mode:

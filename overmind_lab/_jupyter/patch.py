@@ -127,16 +127,24 @@ _failed: set[str] = set()
 # --------------------------------------------------------------------------- public API
 
 
-def patch_all(*, diffusers: bool = True, transformers: bool = True) -> None:
+def patch_all(*, diffusers: bool = True, transformers: bool = True,
+              verify: bool | None = None) -> None:
     """Cache ``from_pretrained`` of diffusers and transformers in this process.
 
     Works before or after those libraries are imported; calling it again is harmless.
+    ``verify=True`` also loads every hit plainly and compares the two (slow: for proof
+    and tests); ``False`` turns that off again; ``None`` leaves it as it is (it is also
+    on when ``OVERMIND_LAB_VERIFY=1``).
 
     >>> import overmind_lab
     >>> overmind_lab.patch_all()
     >>> overmind_lab.is_patched()
     True
     """
+    if verify is not None:
+        from overmind_lab._client.load import set_verify
+
+        set_verify(verify)
     libraries = tuple(
         name for name, wanted in (("diffusers", diffusers), ("transformers", transformers))
         if wanted

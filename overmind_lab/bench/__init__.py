@@ -13,7 +13,10 @@ the load call alone for a plain ``from_pretrained``, the first load through the 
 a warm load through the cache; the summed PSS of 4 processes holding the UNet warm vs
 plainly; whether the warm object equals a plain load; the Jupyter kernel-restart
 loop; and ``GET overmind-lab/api/v1/entries`` through a real Jupyter server with 100
-entries (``rest-entries``, target median <= 50 ms). Writes ``results.json``, ``results.md`` and ``results.png`` under ``--out``.
+entries (``rest-entries``, target median <= 50 ms); and ``decoding``: tokens per second of
+speculative decoding, self-speculative decoding and early exit on the trained byte-level
+pair of ``examples/decoding`` (trained once under ``--models-dir``, about 10 minutes;
+target: best K >= 1.5x greedy). Writes ``results.json``, ``results.md`` and ``results.png`` under ``--out``.
 
 By default a private daemon on a temporary socket is used (and stopped at the end), so
 the user's cache is never disturbed; ``--socket`` uses an existing daemon instead.

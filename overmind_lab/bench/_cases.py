@@ -55,6 +55,8 @@ EXTRA_CASES = {
     "kernel-restart": "Jupyter kernel restart: the pipeline load cell, cold vs warm (ipykernel)",
     "rest-entries": "GET <base_url>/overmind-lab/api/v1/entries through a real Jupyter server "
                     "with 100 cache entries (no model needed)",
+    "decoding": "speculative decoding and early exit on the decoding example's trained pair: "
+                "tokens per second per method (trains the pair once under --models-dir)",
 }
 ALL_NAMES = [c.name for c in CASES] + list(EXTRA_CASES)
 _GROUPS = {

@@ -39,9 +39,12 @@ TARGETS: list[tuple[str, str, float]] = [
     ("pipe_fp16_warm", "warm / plain, pipeline fp16 stored, loaded fp16", 0.25),
     ("correct", "warm object == plain load (type, bytes, requires_grad, mode, dtype, device)", 1.0),
     ("rest_entries", "GET entries with 100 entries (median, ms)", 50.0),
+    ("decoding_speedup", "tokens/s, greedy speculative decoding (best K) / greedy", 1.5),
 ]
 #: Targets whose value and limit are milliseconds (the others are ratios).
 MS_TARGETS = {"rest_entries"}
+#: Targets that are speedups: the value must reach the limit (the others stay below it).
+X_TARGETS = {"decoding_speedup"}
 
 
 def _stats(values: list[float]) -> dict[str, float | int] | None:
@@ -106,6 +109,7 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         "pipe_conv_warm": cases.get("pipeline-fp32-as-fp16", {}).get("ratios", {}).get("warm_over_plain"),
         "pipe_fp16_warm": cases.get("pipeline-fp16", {}).get("ratios", {}).get("warm_over_plain"),
         "rest_entries": _rest_median_ms(results),
+        "decoding_speedup": (results.get("decoding") or {}).get("speedup"),
     }
     checks = [c.get("check") for c in cases.values()] + [
         (results.get("pss") or {}).get("check")]
@@ -116,10 +120,13 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         value = values.get(tid)
         if tid == "correct":
             passed = None if value is None else value == 1.0
+        elif tid in X_TARGETS:
+            passed = None if value is None else value >= limit
         else:
             passed = None if value is None else value <= limit
         out.append({"id": tid, "description": description, "value": value, "limit": limit,
-                    "unit": "ms" if tid in MS_TARGETS else None, "passed": passed})
+                    "unit": "ms" if tid in MS_TARGETS else "x" if tid in X_TARGETS else None,
+                    "passed": passed})
     return out
 
 
@@ -188,6 +195,9 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
         if t["id"] == "correct":
             measured = "-" if t["value"] is None else ("all equal" if t["value"] == 1.0 else "MISMATCH")
             limit = "equal"
+        elif t.get("unit") == "x":
+            measured = "-" if t["value"] is None else f"{t['value']:.2f}x"
+            limit = f"≥ {t['limit']:g}x"
         elif t.get("unit") == "ms":
             measured = "-" if t["value"] is None else f"{t['value']:.1f} ms"
             limit = f"≤ {t['limit']:g} ms"
@@ -293,6 +303,11 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
                 f"{_ms(st.get('min'))} | median ≤ {(rest.get('limit_seconds') or 0) * 1000:g} ms | "
                 f"{'pass' if rest.get('passed') else '**FAIL**'} |",
             ]
+
+    if results.get("decoding"):
+        from overmind_lab.bench._decoding import markdown
+
+        lines += markdown(results["decoding"])
 
     if results.get("errors"):
         lines += ["", "## Errors", ""] + [f"- {e}" for e in results["errors"]]

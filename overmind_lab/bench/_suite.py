@@ -309,6 +309,22 @@ class Bench:
                       f"{'pass' if out['passed'] else 'FAIL'})")
         return out
 
+    # -- decoding ----------------------------------------------------------------------------
+    def run_decoding(self) -> dict[str, Any]:
+        from overmind_lab.bench._decoding import run_decoding
+
+        self.progress("decoding: speculative decoding and early exit (examples/decoding)")
+        out = run_decoding(self.models_dir, self.quick, self.env, self.progress,
+                           self.logs / "decoding.log", timeout=7200.0)
+        if "error" not in out:
+            ee = out["early_exit"]
+            self.progress(f"decoding: greedy {out['tokens_per_second']['greedy']:.0f} tok/s; best K "
+                          f"{out['best_k']}: {out['speedup']:.2f}x (alpha {out['alpha']:.3f}); "
+                          f"early exit {ee['speedup']:.2f}x at {ee['average_layers']:.2f} layers")
+            if not out["exact"]:
+                self.error(f"decoding: output differs from greedy: {', '.join(out['mismatches'][:3])}")
+        return out
+
     # -- the run ----------------------------------------------------------------------------
     def run(self) -> int:
         try:
@@ -408,6 +424,11 @@ class Bench:
                 with contextlib.suppress(Exception):
                     self.evict_all()
                 self.checkpoint()
+            if "decoding" in names:
+                self.results["decoding"] = self.run_decoding()
+                if "error" in self.results["decoding"]:
+                    self.error(f"decoding: {self.results['decoding']['error']}")
+                self.checkpoint()
         except KeyboardInterrupt:
             self.error("interrupted")
         except Exception as exc:  # noqa: BLE001
@@ -437,6 +458,9 @@ class Bench:
                 continue
             if t["id"] == "correct":
                 lines.append(f"  {'pass' if t['passed'] else 'FAIL'}  {t['description']}")
+            elif t.get("unit") == "x":
+                lines.append(f"  {'pass' if t['passed'] else 'FAIL'}  {t['description']}: "
+                             f"{t['value']:.2f}x (>= {t['limit']:g}x)")
             elif t.get("unit") == "ms":
                 lines.append(f"  {'pass' if t['passed'] else 'FAIL'}  {t['description']}: "
                              f"{t['value']:.1f} ms (<= {t['limit']:g} ms)")

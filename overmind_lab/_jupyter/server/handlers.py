@@ -13,6 +13,10 @@ authentication (``APIHandler`` + ``@tornado.web.authenticated``: no token, no an
 ``POST entries/<key>/refresh``              ``{"entry": {...}}`` (202: runs in the daemon)
 ``POST evict-all``                          ``{"evicted": [keys]}``
 ``POST daemon/start``                       status after starting the daemon if needed
+``GET  zygotes``                            ``{"zygotes": [...]}``: warm-kernel zygotes (pid,
+                                            preloaded modules, RSS/PSS, forks, last fork ms)
+``POST zygotes/restart``                    ``{"restarted": [pids]}``: each zygote starts a
+                                            replacement with fresh imports and retires
 ==========================================  ====================================================
 
 ``<key>`` names one entry the way the daemon resolves it (``_common.lookup.match_keys``):
@@ -230,6 +234,26 @@ class StartDaemonHandler(_Handler):
             self.reply(status)
 
 
+class ZygotesHandler(_Handler):
+    _track_activity = False  # polled by the sidebar
+
+    @web.authenticated
+    async def get(self) -> None:
+        from overmind_lab._kernel.spec import zygotes
+
+        found = await self.overmind.call(lambda _client: zygotes())
+        self.reply({"zygotes": found})
+
+
+class RestartZygotesHandler(_Handler):
+    @web.authenticated
+    async def post(self) -> None:
+        from overmind_lab._kernel.spec import restart_zygotes
+
+        pids = await self.overmind.call(lambda _client: restart_zygotes())
+        self.reply({"restarted": pids})
+
+
 _KEY = r"(?P<key>[^/]+)"
 
 ROUTES: list[tuple[str, type[_Handler]]] = [
@@ -240,6 +264,8 @@ ROUTES: list[tuple[str, type[_Handler]]] = [
     (f"entries/{_KEY}/refresh", RefreshHandler),
     ("evict-all", EvictAllHandler),
     ("daemon/start", StartDaemonHandler),
+    ("zygotes", ZygotesHandler),
+    ("zygotes/restart", RestartZygotesHandler),
 ]
 
 

@@ -1,0 +1,193 @@
+"""In a forked child of the zygote: become a kernel exactly as a fresh process would.
+
+``run`` is called in the child, after the zygote's loop has unwound and closed the
+zygote's own descriptors, and before anything else happens in it. It makes the process
+look like ``python -m MODULE ARGS`` started fresh in the given cwd and environment, then
+runs the module as ``__main__`` (``runpy``, as ``-m`` does); the interpreter then exits
+normally (``atexit``, thread shutdown), as a fresh one would.
+
+What a fresh process has and a fork would not, set here in this order:
+
+- its own session (``setsid``), so a ``killpg`` of the kernel never reaches the zygote;
+- the given stdin/stdout/stderr, cwd and environment (``os.environ`` replaced, not
+  merged; the C library's environment with it, so libraries that read ``getenv`` later
+  see the kernel's values);
+- default signal dispositions and an empty signal mask (Python's own start-up choices:
+  ``SIGINT`` raises ``KeyboardInterrupt``, ``SIGPIPE`` and ``SIGXFSZ`` ignored);
+- ``sys.path[0]`` = the cwd, as for ``-m``, and fresh import caches, so that the user's
+  modules in the notebook's folder are found and read from disk now;
+- new random state: ``random`` (CPython reseeds it at fork too) and numpy's global
+  ``RandomState`` from the OS entropy pool. ``str`` hashes keep the zygote's seed (the
+  hash secret is fixed at interpreter start and cannot be changed in a running process);
+- the BLAS thread counts a fresh process gets (Note [BLAS threads] in ``zygote.py``):
+  measured once per zygote by a fresh interpreter and set here through threadpoolctl.
+  torch's own intra-op pool was never started in the zygote; it reads the kernel's
+  ``OMP_NUM_THREADS`` when it starts, as in a fresh process.
+
+Note [Parent death]: ipykernel's parent poller watches ``getppid()``, which for a forked
+kernel is the zygote, not the Jupyter server. The zygote hands the child a pidfd of the
+server (the peer of the fork request); a daemon thread waits on it and exits the process
+the way ipykernel's poller does (``os._exit(1)``), within a second of the server's
+death, even a SIGKILL. It only runs when the launch asked for it (``JPY_PARENT_PID``, as
+``jupyter_client`` sets for non-independent kernels); ipykernel's own poller is off
+(``parent_handle`` stays 0 from the zygote's environment).
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import linecache
+import logging
+import os
+import random
+import runpy
+import select
+import signal
+import sys
+import threading
+from typing import TYPE_CHECKING, NoReturn
+
+from overmind_lab._kernel import preload
+
+if TYPE_CHECKING:
+    from overmind_lab._kernel.zygote import ChildTask
+
+__all__ = ["run", "become", "exit_now"]
+
+
+def _reset_signals() -> None:
+    for sig in signal.valid_signals():
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        try:
+            signal.signal(sig, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
+def _replace_environ(env: dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+
+
+def _reseed() -> None:
+    random.seed()
+    if "numpy.random" in sys.modules:
+        sys.modules["numpy.random"].seed()
+
+
+def _set_threads(targets: dict[str, int]) -> None:
+    if not targets or "threadpoolctl" not in sys.modules:
+        return
+    from threadpoolctl import ThreadpoolController  # type: ignore[import-untyped]
+
+    for lib in ThreadpoolController().lib_controllers:
+        want = targets.get(lib.filepath)
+        if want is not None and lib.num_threads != want:
+            lib.set_num_threads(want)
+
+
+def _watch_parent(pidfd: int) -> None:
+    def wait() -> None:
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        while not poller.poll():
+            pass
+        logging.getLogger("traitlets").warning("Parent appears to have exited, shutting down.")
+        os._exit(1)
+
+    threading.Thread(target=wait, name="overmind-lab-parent-watch", daemon=True).start()
+
+
+def _parent_handle_from_env() -> None:
+    """``IPKernelApp.parent_handle`` read ``JPY_PARENT_PID`` when the zygote imported it.
+
+    With a parent, use 1: ipykernel then starts no poller of its own (it would watch the
+    zygote; Note [Parent death]) and, as for a fresh kernel with a parent, prints no
+    "Ctrl-C will not work" banner.
+    """
+    app = sys.modules.get("ipykernel.kernelapp")
+    if app is not None:
+        value = 1 if os.environ.get("JPY_PARENT_PID") else 0
+        cls = app.IPKernelApp
+        cls.class_traits()["parent_handle"].default_value = value
+        static = getattr(cls, "_static_immutable_initial_values", None)
+        if isinstance(static, dict) and "parent_handle" in static:  # traitlets >= 5.9 cache
+            static["parent_handle"] = value
+
+
+def _learn_at_exit(task: ChildTask) -> None:
+    def learn() -> None:
+        try:
+            new = [m for m in preload.third_party_modules() if m not in task.preloaded]
+            if new:
+                preload.record_learned(task.learned_path, new)
+        except OSError:
+            pass
+
+    atexit.register(learn)
+
+
+def become(task: ChildTask) -> None:
+    """Everything but running the module (separate so a test can check the state)."""
+    os.setsid()
+    for target, fd in enumerate(task.stdio):
+        os.dup2(fd, target)
+        if fd > 2:
+            os.close(fd)
+    _reset_signals()
+    os.chdir(task.cwd)
+    _replace_environ(task.env)
+    logging.root.handlers.clear()
+    logging.root.setLevel(logging.WARNING)
+    if not task.env.get("PYTHONSAFEPATH"):
+        sys.path.insert(0, os.getcwd())
+    sys.path_importer_cache.clear()
+    importlib.invalidate_caches()
+    linecache.clearcache()
+    _reseed()
+    _set_threads(task.thread_targets)
+    if task.parent_pidfd is not None and task.env.get("JPY_PARENT_PID"):
+        _watch_parent(task.parent_pidfd)
+    _parent_handle_from_env()
+    _learn_at_exit(task)
+
+
+def run(task: ChildTask) -> int:
+    """Become the kernel and run it; returns the exit status for ``sys.exit``."""
+    become(task)
+    module, args = task.argv[2], task.argv[3:]
+    sys.argv = [task.argv[0], *args]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        code = exc.code
+        if code is None or isinstance(code, int):
+            return code or 0
+        print(code, file=sys.stderr)
+        return 1
+    return 0
+
+
+def exit_now(code: int) -> NoReturn:
+    """Exit as the interpreter would, minus tearing down thousands of modules.
+
+    Note [Fast exit]: a kernel forked from the zygote holds every preloaded module; the
+    interpreter's finalization (module teardown, a final garbage collection over torch,
+    transformers and diffusers) took 1.5 s more than a plain kernel's exit, and a restart
+    waits for it. What a program can observe at exit still happens, in the interpreter's
+    order: non-daemon threads are joined, ``atexit`` handlers run, stdio is flushed.
+    """
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    os._exit(code)

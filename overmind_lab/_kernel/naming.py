@@ -1,0 +1,80 @@
+"""Where zygotes live, and what makes one zygote different from another.
+
+A zygote serves kernels of one interpreter whose import-relevant environment is the same:
+``CUDA_VISIBLE_DEVICES``, the thread-count variables, ``PYTHONPATH``, ``LD_LIBRARY_PATH``,
+the Hugging Face and torch settings, and the others in :data:`IMPORT_ENV_PREFIXES`.
+Their hash (the *identity*) names the zygote's socket, so kernels with a different
+environment get a different zygote. The preload set is not part of the name: it grows
+(cached classes, learned modules) and a grown set replaces the zygote in the background
+instead of making the next launch cold (see Note [Replacing a zygote] in ``zygote.py``).
+
+The sockets sit beside the daemon's socket: in the 0700 per-user runtime directory, or in
+the directory of ``$OVERMIND_LAB_SOCKET`` when that is set (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from overmind_lab._common.naming import ensure_private_dir, runtime_dir, socket_path
+
+__all__ = ["IMPORT_ENV_PREFIXES", "import_env", "identity", "zygote_dir", "ZygotePaths"]
+
+#: Environment variables (by prefix) that can change what an import does or which threads
+#: and devices it sets up. Kernels whose values differ never share a zygote.
+IMPORT_ENV_PREFIXES = (
+    "CUDA_", "NVIDIA_", "HIP_", "ROCR_", "OMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO_",
+    "BLIS_", "VECLIB_", "NUMEXPR_", "PYTHON", "LD_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_",
+    "DIFFUSERS_", "TORCH", "PYTORCH_", "TOKENIZERS_", "XLA_", "TF_", "JAX_", "VIRTUAL_ENV",
+    "CONDA_PREFIX", "HOME", "XDG_CACHE_HOME", "OVERMIND_LAB_",
+)
+
+#: Set by overmind-lab itself in the zygote only; never part of the identity.
+ZYGOTE_ONLY_ENV = ("OPENBLAS_NUM_THREADS", "PYTORCH_NVML_BASED_CUDA_CHECK")
+
+
+def import_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The part of ``env`` that matters to imports."""
+    return {k: v for k, v in sorted(env.items()) if k.startswith(IMPORT_ENV_PREFIXES)}
+
+
+def identity(interpreter: str, env: Mapping[str, str]) -> str:
+    """A short hash of the interpreter and the import-relevant environment."""
+    data = json.dumps([os.path.realpath(interpreter), sys.version, import_env(env)])
+    return hashlib.sha256(data.encode()).hexdigest()[:16]
+
+
+def zygote_dir(env: Mapping[str, str] | None = None) -> Path:
+    """The directory of the zygote sockets, created 0700 when it is the per-user default."""
+    env = os.environ if env is None else env
+    override = env.get("OVERMIND_LAB_SOCKET")
+    if override:
+        path = socket_path(override).parent
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    path = runtime_dir()
+    ensure_private_dir(path)
+    return path
+
+
+class ZygotePaths:
+    """The files of one zygote identity inside the zygote directory."""
+
+    def __init__(self, directory: Path, ident: str) -> None:
+        self.directory = directory
+        self.ident = ident
+        base = directory / f"zygote-{ident}"
+        self.socket = base.with_suffix(".sock")
+        self.boot_lock = base.with_suffix(".boot")   # held while a zygote imports
+        self.log = base.with_suffix(".log")
+        self.learned = base.with_suffix(".learned.json")
+        self.state = base.with_suffix(".state.json")  # pid, preload set, forks (for status)
+
+    @classmethod
+    def for_launch(cls, interpreter: str, env: Mapping[str, str]) -> ZygotePaths:
+        return cls(zygote_dir(env), identity(interpreter, env))

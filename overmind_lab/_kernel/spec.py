@@ -1,0 +1,177 @@
+"""``overmind-lab kernel install|status|uninstall|restart-zygote``.
+
+``install`` writes a kernelspec (``python -m ipykernel_launcher -f {connection_file}``
+with this interpreter) whose metadata selects the ``overmind-lab-warm`` provisioner.
+``status`` and ``restart-zygote`` talk to the zygotes in the zygote directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from overmind_lab._common.protocol import Channel
+from overmind_lab._kernel.naming import zygote_dir
+
+__all__ = ["DEFAULT_NAME", "DISPLAY_NAME", "kernel_json", "install", "uninstall",
+           "zygotes", "add_parser"]
+
+DEFAULT_NAME = "overmind-lab-warm"
+DISPLAY_NAME = "Python 3 (warm, overmind-lab)"
+PROVISIONER = "overmind-lab-warm"
+
+
+def kernel_json(display_name: str = DISPLAY_NAME, env: dict[str, str] | None = None,
+                python: str = sys.executable) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "argv": [python, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": display_name,
+        "language": "python",
+        "interrupt_mode": "signal",
+        "metadata": {"debugger": True,
+                     "kernel_provisioner": {"provisioner_name": PROVISIONER}},
+    }
+    if env:
+        spec["env"] = env
+    return spec
+
+
+def install(name: str = DEFAULT_NAME, display_name: str = DISPLAY_NAME, *,
+            user: bool = False, prefix: str | None = None,
+            env: dict[str, str] | None = None) -> str:
+    """Install the warm kernelspec; returns its directory."""
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "kernel.json").write_text(json.dumps(kernel_json(display_name, env),
+                                                       indent=1))
+        return str(KernelSpecManager().install_kernel_spec(
+            tmp, kernel_name=name, user=user, prefix=prefix))
+
+
+def uninstall(name: str = DEFAULT_NAME) -> str | None:
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+    try:
+        return str(KernelSpecManager().remove_kernel_spec(name))
+    except (NoSuchKernel, KeyError):  # jupyter_client raises KeyError for an unknown name
+        return None
+
+
+def _ask(sock_path: Path, msg: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(str(sock_path))
+        chan = Channel(sock, timeout)
+        chan.send(msg)
+        reply, fds = chan.recv()
+        for fd in fds:
+            os.close(fd)
+        return reply
+    finally:
+        sock.close()
+
+
+def _memory(pid: int) -> dict[str, int]:
+    out = {}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("Rss", "Pss"):
+                    out[key.lower() + "_bytes"] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def zygotes(directory: Path | None = None) -> list[dict[str, Any]]:
+    """The status of every zygote listening in ``directory`` (default: the zygote dir)."""
+    directory = zygote_dir() if directory is None else directory
+    out = []
+    for path in sorted(directory.glob("zygote-*.sock")):
+        try:
+            status = _ask(path, {"op": "status"})
+        except OSError:
+            continue
+        status.pop("ok", None)
+        status.update(_memory(int(status["pid"])))
+        out.append(status)
+    return out
+
+
+def restart_zygotes(directory: Path | None = None) -> list[int]:
+    """Ask every zygote to start a replacement (fresh imports) and retire."""
+    directory = zygote_dir() if directory is None else directory
+    pids = []
+    for path in sorted(directory.glob("zygote-*.sock")):
+        try:
+            pids.append(int(_ask(path, {"op": "replace"})["pid"]))
+        except (OSError, KeyError):
+            continue
+    return pids
+
+
+def _print(data: Any) -> None:
+    json.dump(data, sys.stdout, indent=2, sort_keys=True)
+    sys.stdout.write("\n")
+
+
+def cmd_kernel(args: argparse.Namespace) -> int:
+    from overmind_lab._common.sizes import format_size
+
+    if args.socket:
+        os.environ["OVERMIND_LAB_SOCKET"] = args.socket
+    if args.action == "install":
+        path = install(args.name, args.display_name, user=args.user,
+                       prefix=sys.prefix if args.sys_prefix else None)
+        result: Any = {"installed": path, "name": args.name}
+        text = f"installed kernelspec {args.name!r} in {path}"
+    elif args.action == "uninstall":
+        removed = uninstall(args.name)
+        result = {"removed": removed, "name": args.name}
+        text = f"removed {removed}" if removed else f"no kernelspec named {args.name!r}"
+    elif args.action == "restart-zygote":
+        pids = restart_zygotes()
+        result = {"restarted": pids}
+        text = (f"replacing {len(pids)} zygote(s): {pids}" if pids
+                else "no zygote running")
+    else:
+        result = zygotes()
+        lines = [f"zygote {z['pid']}  {z['python']}  {z['preloaded']} modules "
+                 f"({', '.join(z['preload_roots'][:8])}...)  "
+                 f"RSS {format_size(z.get('rss_bytes', 0))} PSS "
+                 f"{format_size(z.get('pss_bytes', 0))}  forks {z['forks']}  last fork "
+                 f"{z['last_fork_ms'] or 0:.1f} ms"
+                 + (f"  REFUSES: {z['refusal']}" if z.get("refusal") else "")
+                 for z in result]
+        text = "\n".join(lines) or "no zygote running"
+    if args.json:
+        _print(result)
+    else:
+        print(text)
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("kernel", help="the warm kernel: install, status, uninstall, "
+                       "restart-zygote", description="Warm kernels forked from a zygote "
+                       "that has imported torch, diffusers and transformers.")
+    p.set_defaults(func=cmd_kernel)
+    p.add_argument("action", choices=["install", "status", "uninstall", "restart-zygote"])
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--user", action="store_true", help="install for this user")
+    where.add_argument("--sys-prefix", action="store_true",
+                       help="install into this environment (sys.prefix)")
+    p.add_argument("--name", default=DEFAULT_NAME, help=f"kernelspec name ({DEFAULT_NAME})")
+    p.add_argument("--display-name", default=DISPLAY_NAME,
+                   help=f"name shown in Jupyter ({DISPLAY_NAME!r})")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--socket", help="daemon socket; the zygotes live beside it")

@@ -1,0 +1,553 @@
+"""The zygote: a process that imported the heavy libraries once and forks kernels.
+
+Run as ``python -m overmind_lab._kernel.zygote --socket PATH --owner PID`` (the
+provisioner starts it, detached, on first use). It listens on a Unix socket in the
+per-user 0700 directory, serves only its own uid (``SO_PEERCRED``), and answers:
+
+- ``fork``: argv (``python -m MODULE ARGS``), env, cwd, and stdin/stdout/stderr as file
+  descriptors; replies with the child's pid and a pidfd for it, keeps the connection
+  open and writes the child's exit status on it when it reaps the child;
+- ``status``: pid, preload set, forks served, last fork time;
+- ``replace``: start a replacement (with a fresh preload set) and retire.
+
+It stays single-threaded: no asyncio, one ``poll`` loop over the listening socket, the
+connections and pidfds (children, owners). It never does tensor work, never starts a
+thread pool, CUDA or zmq, and checks that before every fork (:func:`fork_refusal`).
+
+Note [Owners]: a zygote lives as long as some Jupyter server (an *owner*) that asked it
+for kernels lives. It watches each owner through a pidfd and exits when the last one is
+gone, so a SIGKILLed server leaves no zygote behind; its kernels exit on their own
+(Note [Parent death] in ``child.py``).
+
+Note [Replacing a zygote]: a zygote binds a temporary socket name, imports, and only then
+renames the socket over the public name, so the old zygote keeps serving until the new
+one is ready. The old one notices the rename (its socket's inode is no longer at the
+path) and retires: it stops accepting, and exits once its children are gone (it reaps
+them and reports their exit status). A boot lock keeps one import at a time per identity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import gc
+import logging
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from overmind_lab._common.protocol import Channel
+from overmind_lab._kernel import preload
+from overmind_lab._kernel.naming import ZYGOTE_ONLY_ENV, ZygotePaths, identity
+
+__all__ = ["ChildTask", "serve", "spawn", "fork_refusal", "main"]
+
+log = logging.getLogger("overmind_lab.zygote")
+
+_REPLY_TIMEOUT = 10.0
+#: The user's own value of a variable the zygote overrides (``spawn``) is kept under this.
+_ORIG = "OVERMIND_LAB_ORIG_"
+_TICK_MS = 500
+#: A replacement that did not take over (it failed, or lost the boot lock) is asked again.
+_RENEW_AGAIN_S = 30.0
+_PROBE = (
+    "import json, threadpoolctl\n"
+    "for m in ('numpy', 'scipy.linalg'):\n"
+    "    try: __import__(m)\n"
+    "    except Exception: pass\n"
+    "print(json.dumps({i['filepath']: i['num_threads'] "
+    "for i in threadpoolctl.threadpool_info()}))\n"
+)
+
+
+@dataclass
+class ChildTask:
+    """What a forked child needs to become a kernel (see ``child.py``)."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    stdio: list[int]
+    parent_pidfd: int | None
+    thread_targets: dict[str, int]
+    learned_path: Path
+    preloaded: frozenset[str]
+
+
+@dataclass
+class _Child:
+    pid: int
+    pidfd: int
+    conn: socket.socket
+
+
+@dataclass
+class _State:
+    paths: ZygotePaths
+    listener: socket.socket
+    inode: int
+    snap: preload.Snapshot
+    preloaded: list[str]
+    failed: list[str]
+    refusal: str | None
+    thread_targets: dict[str, int]
+    owners: dict[int, int] = field(default_factory=dict)      # pid -> pidfd
+    children: dict[int, _Child] = field(default_factory=dict)  # pidfd -> child
+    conns: dict[int, socket.socket] = field(default_factory=dict)
+    forks: int = 0
+    last_fork_ms: float | None = None
+    retiring: str | None = None
+    renew_requested: float = 0.0
+    started: float = field(default_factory=time.time)
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def fork_refusal() -> str | None:
+    """Why forking now would give a kernel unlike a fresh one, or ``None``."""
+    n = _threads()
+    if n != 1:
+        names = sorted(t for t in os.listdir("/proc/self/task"))
+        return f"the zygote has {n} threads (tasks {', '.join(names)}), forking needs 1"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "CUDA was initialized in the zygote"
+    zmq = sys.modules.get("zmq")
+    if zmq is not None and getattr(zmq.Context, "_instance", None) is not None:
+        return "a zmq context exists in the zygote"
+    return None
+
+
+def _peer_uid_pid(conn: socket.socket) -> tuple[int, int]:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return uid, pid
+
+
+def _probe_threads(env: dict[str, str]) -> subprocess.Popen[str]:
+    """A fresh interpreter reports the BLAS thread counts a fresh kernel would have."""
+    return subprocess.Popen([sys.executable, "-P", "-c", _PROBE], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd="/")
+
+
+def user_env(env: dict[str, str]) -> dict[str, str]:
+    """The zygote's environment without what ``spawn`` set for the zygote only."""
+    env = {k: v for k, v in env.items() if k not in ZYGOTE_ONLY_ENV}
+    for k in ZYGOTE_ONLY_ENV:
+        if _ORIG + k in env:
+            env[k] = env.pop(_ORIG + k)
+    return env
+
+
+def _entry_classes() -> list[str]:
+    """The classes of the entries now in the cache (the daemon is not started)."""
+    from overmind_lab import Client
+    from overmind_lab._errors import OvermindError
+
+    try:
+        entries = Client().entries()
+    except (OvermindError, OSError):
+        return []
+    return [str(e.get("class") or "") for e in entries if e.get("class")]
+
+
+def _entry_modules() -> list[str]:
+    """Import the modules of the cached entries' classes (third-party ones only)."""
+    out: list[str] = []
+    for cls in _entry_classes():
+        for cand in preload.class_module_candidates(cls):
+            if cand in out:
+                break
+            if preload.import_third_party(cand) is None:
+                out.append(cand)
+                break
+    return out
+
+
+def wanted_modules(paths: ZygotePaths) -> list[str]:
+    base = os.environ.get(preload.PRELOAD_ENV)
+    first = base.split(",") if base else preload.DEFAULT_PRELOAD
+    return [*first, *preload.read_learned(paths.learned)]
+
+
+def _do_preload(paths: ZygotePaths) -> tuple[list[str], list[str]]:
+    failed: list[str] = []
+    for name in wanted_modules(paths):
+        if name == "overmind_lab":
+            preload.preload_overmind()
+            continue
+        why = preload.import_third_party(name)
+        if why:
+            failed.append(why)
+        elif name not in sys.modules:  # replaced itself, or a lazy alias
+            failed.append(f"{name}: not in sys.modules after its import")
+    _entry_modules()
+    return preload.third_party_modules(), failed
+
+
+def _bind(paths: ZygotePaths) -> tuple[socket.socket, Path]:
+    tmp = paths.socket.with_name(f"{paths.socket.name}.{os.getpid()}")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    old = os.umask(0o177)
+    try:
+        sock.bind(str(tmp))
+    finally:
+        os.umask(old)
+    sock.listen(64)
+    return sock, tmp
+
+
+def boot(paths: ZygotePaths, owners: list[int]) -> _State | None:
+    """Import the preload set and take over the socket; ``None`` if another is booting."""
+    lock = os.open(paths.boot_lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(lock)
+        log.info("another zygote is booting for %s; exiting", paths.socket)
+        return None
+    try:
+        t0 = time.monotonic()
+        probe = _probe_threads(user_env(dict(os.environ)))
+        listener, tmp = _bind(paths)
+        preloaded, failed = _do_preload(paths)
+        out, _ = probe.communicate(timeout=120)
+        import json
+
+        targets = {str(k): int(v) for k, v in json.loads(out or "{}").items()}
+        snap = preload.snapshot()
+        # Note [Frozen heap]: a collection in a kernel would touch (write the GC header
+        # of) every object the zygote imported and copy its page: freezing moves them out
+        # of the collector's reach, so the kernels keep sharing those pages.
+        gc.collect()
+        gc.freeze()
+        refusal = fork_refusal()
+        os.rename(tmp, paths.socket)  # Note [Replacing a zygote]
+        state = _State(paths, listener, os.stat(paths.socket).st_ino, snap, preloaded,
+                       failed, refusal, targets)
+        for pid in owners:
+            _add_owner(state, pid)
+        log.info("zygote %d ready in %.1f s: %d modules, %d files watched%s", os.getpid(),
+                 time.monotonic() - t0, len(preloaded), len(snap),
+                 f"; refuses to fork: {refusal}" if refusal else "")
+        for why in failed:
+            log.info("not preloaded: %s", why)
+        return state
+    finally:
+        os.close(lock)
+
+
+def _add_owner(state: _State, pid: int) -> None:
+    if pid in state.owners or pid <= 1:
+        return
+    try:
+        state.owners[pid] = os.pidfd_open(pid)
+    except OSError:
+        pass
+
+
+def _status(state: _State) -> dict[str, Any]:
+    return {
+        "ok": True, "pid": os.getpid(), "identity": state.paths.ident,
+        "socket": str(state.paths.socket), "python": sys.executable,
+        "preloaded": len(state.preloaded), "preload_roots": sorted(
+            {m.partition(".")[0] for m in state.preloaded}),
+        "failed": state.failed, "refusal": state.refusal, "forks": state.forks,
+        "last_fork_ms": state.last_fork_ms, "kernels": len(state.children),
+        "owners": sorted(state.owners), "uptime_seconds": time.time() - state.started,
+        "retiring": state.retiring,
+    }
+
+
+def _refuse(state: _State, request: dict[str, Any]) -> str | None:
+    if state.retiring:
+        return f"the zygote is retiring ({state.retiring})"
+    if state.refusal:
+        return state.refusal
+    argv = [str(a) for a in request.get("argv", [])]
+    if len(argv) < 3 or argv[1] != "-m":
+        return f"the kernel command is not `python -m MODULE ...`: {argv}"
+    if os.path.realpath(argv[0]) != os.path.realpath(sys.executable):
+        return f"the kernel's interpreter {argv[0]} is not the zygote's {sys.executable}"
+    env = {str(k): str(v) for k, v in dict(request.get("env", {})).items()}
+    if identity(argv[0], env) != state.paths.ident:
+        return "the kernel's import-relevant environment differs from the zygote's"
+    stale = preload.stale_reason(state.snap)
+    if stale:
+        state.retiring = "stale"
+        return f"the zygote is stale: {stale}"
+    return fork_refusal()
+
+
+def _handle_fork(state: _State, conn: socket.socket, chan: Channel,
+                 request: dict[str, Any], fds: list[int], peer: int) -> ChildTask | None:
+    why = _refuse(state, request)
+    if why or len(fds) != 3:
+        for fd in fds:
+            os.close(fd)
+        chan.send({"ok": False, "reason": why or "fork needs stdin, stdout and stderr"})
+        return None
+    parent_pidfd = None
+    if request.get("watch_parent"):
+        try:
+            parent_pidfd = os.pidfd_open(peer)
+        except OSError:
+            parent_pidfd = None
+    task = ChildTask(
+        argv=[str(a) for a in request["argv"]],
+        env={str(k): str(v) for k, v in dict(request["env"]).items()},
+        cwd=str(request.get("cwd") or os.getcwd()), stdio=fds, parent_pidfd=parent_pidfd,
+        thread_targets=state.thread_targets, learned_path=state.paths.learned,
+        preloaded=frozenset(state.preloaded))
+    t0 = time.perf_counter()
+    pid = os.fork()
+    if pid == 0:
+        _close_for_child(state, keep=[*fds, *([parent_pidfd] if parent_pidfd else [])])
+        return task
+    state.last_fork_ms = (time.perf_counter() - t0) * 1000
+    state.forks += 1
+    for fd in fds:
+        os.close(fd)
+    if parent_pidfd is not None:
+        os.close(parent_pidfd)
+    pidfd = os.pidfd_open(pid)
+    _add_owner(state, peer)
+    child = _Child(pid, pidfd, conn)
+    state.children[pidfd] = child
+    state.conns.pop(conn.fileno(), None)
+    try:
+        chan.send({"ok": True, "pid": pid, "fork_ms": state.last_fork_ms}, [pidfd])
+    except OSError:
+        pass  # the provisioner went away; the kernel's own parent watch decides
+    log.info("forked kernel %d for %d in %.1f ms", pid, peer, state.last_fork_ms)
+    _maybe_renew(state)
+    return None
+
+
+def _missing(state: _State) -> list[str]:
+    """Wanted modules this zygote lacks: learned ones, and cached entries' classes."""
+    failed = {f.partition(":")[0] for f in state.failed}
+    missing = [m for m in preload.read_learned(state.paths.learned)
+               if m not in sys.modules and m not in failed]
+    for cls in _entry_classes():
+        cands = preload.class_module_candidates(cls)
+        if cands and not any(c in sys.modules for c in cands) and cands[-1] not in failed:
+            missing.append(cands[0])
+    return missing
+
+
+def _booting(paths: ZygotePaths) -> bool:
+    """Whether a zygote holds the boot lock (is importing) for these paths now."""
+    fd = os.open(paths.boot_lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def _maybe_renew(state: _State) -> None:
+    """Note [Replacing a zygote]: a grown preload set is imported by a new zygote in the
+    background; this one serves until it is ready. Checked after a fork, off its path."""
+    if state.retiring or time.monotonic() - state.renew_requested < _RENEW_AGAIN_S:
+        return
+    missing = _missing(state)
+    if missing and not _booting(state.paths):
+        state.renew_requested = time.monotonic()
+        log.info("starting a zygote that also preloads %d more modules (%s...)",
+                 len(missing), ", ".join(missing[:5]))
+        spawn(state.paths, owners=list(state.owners), env=user_env(dict(os.environ)))
+
+
+def _close_for_child(state: _State, keep: list[int]) -> None:
+    """In the child: close every descriptor the zygote owns (not the libraries' own)."""
+    state.listener.close()
+    for sock in state.conns.values():
+        sock.close()
+    for child in state.children.values():
+        os.close(child.pidfd)
+        child.conn.close()
+    for fd in state.owners.values():
+        if fd not in keep:
+            os.close(fd)
+
+
+def _reap(state: _State, pidfd: int) -> None:
+    child = state.children.pop(pidfd)
+    try:
+        _, status = os.waitpid(child.pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+    except ChildProcessError:
+        code = -1
+    os.close(pidfd)
+    try:
+        Channel(child.conn, 1.0).send({"exit": code})
+    except OSError:
+        pass
+    child.conn.close()
+    log.info("kernel %d exited with %d", child.pid, code)
+
+
+def _accept(state: _State) -> None:
+    conn, _ = state.listener.accept()
+    uid, _pid = _peer_uid_pid(conn)
+    if uid != os.getuid():
+        Channel(conn, 1.0).send({"ok": False, "error": f"the overmind-lab zygote of uid "
+                                 f"{os.getuid()} does not serve uid {uid}"})
+        conn.close()
+        log.warning("refused a connection from uid %d", uid)
+        return
+    conn.setblocking(True)
+    state.conns[conn.fileno()] = conn
+
+
+def _serve_conn(state: _State, conn: socket.socket) -> ChildTask | None:
+    chan = Channel(conn, _REPLY_TIMEOUT)
+    try:
+        request, fds = chan.recv()
+    except Exception:  # noqa: BLE001 - a broken client only loses its connection
+        state.conns.pop(conn.fileno(), None)
+        conn.close()
+        return None
+    _uid, peer = _peer_uid_pid(conn)
+    op = request.get("op")
+    if op == "fork":
+        return _handle_fork(state, conn, chan, request, fds, peer)
+    for fd in fds:
+        os.close(fd)
+    if op == "status":
+        chan.send(_status(state))
+    elif op == "replace":
+        spawn(state.paths, owners=[*state.owners, peer], env=user_env(dict(os.environ)))
+        state.retiring = "replaced on request"
+        chan.send({"ok": True, "pid": os.getpid()})
+    elif op == "owner":
+        _add_owner(state, peer)
+        chan.send({"ok": True})
+    else:
+        chan.send({"ok": False, "error": f"unknown op {op!r}"})
+    return None
+
+
+def _replaced(state: _State) -> bool:
+    try:
+        return os.stat(state.paths.socket).st_ino != state.inode
+    except FileNotFoundError:
+        return True
+
+
+def _loop(state: _State) -> ChildTask | None:
+    while True:
+        if state.retiring is None and _replaced(state):
+            state.retiring = "replaced by a newer zygote"
+        if state.retiring and not state.children:
+            return None
+        if not state.owners and not state.children:
+            log.info("no Jupyter server uses this zygote any more; exiting")
+            return None
+        poller = select.poll()
+        if not state.retiring:
+            poller.register(state.listener, select.POLLIN)
+        for fd in (*state.conns, *state.children, *state.owners.values()):
+            poller.register(fd, select.POLLIN)
+        for fd, _ in poller.poll(_TICK_MS):
+            if fd == state.listener.fileno():
+                _accept(state)
+            elif fd in state.children:
+                _reap(state, fd)
+            elif fd in state.conns:
+                task = _serve_conn(state, state.conns[fd])
+                if task is not None:
+                    return task
+            else:
+                for pid, pfd in list(state.owners.items()):
+                    if pfd == fd:
+                        del state.owners[pid]
+                        os.close(pfd)
+        if state.retiring and not _replaced(state):
+            _unlink_own_socket(state)
+
+
+def _unlink_own_socket(state: _State) -> None:
+    try:
+        if os.stat(state.paths.socket).st_ino == state.inode:
+            state.paths.socket.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def serve(paths: ZygotePaths, owners: list[int]) -> ChildTask | None:
+    """Boot and serve; returns in a forked child (its task) or when the zygote is done."""
+    state = boot(paths, owners)
+    if state is None:
+        return None
+    task = _loop(state)
+    if task is None:
+        _unlink_own_socket(state)
+        state.listener.close()
+    return task
+
+
+def spawn(paths: ZygotePaths, owners: list[int], env: dict[str, str]) -> None:
+    """Start a zygote for ``paths`` in the background, detached (not our child)."""
+    env = {k: v for k, v in env.items() if not k.startswith("JPY_")}
+    for k in ZYGOTE_ONLY_ENV:
+        if k in env and _ORIG + k not in env:
+            env[_ORIG + k] = env[k]
+    # Note [BLAS threads]: OpenBLAS starts its pool when numpy is imported; with one
+    # thread it starts none, and the child sets the count a fresh process has.
+    env["OPENBLAS_NUM_THREADS"] = "1"
+    env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    cmd = [sys.executable, "-m", "overmind_lab._kernel.zygote", "--socket",
+           str(paths.socket), "--identity", paths.ident,
+           *[a for pid in owners for a in ("--owner", str(pid))]]
+    log_fd = os.open(paths.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    try:
+        # A shell that backgrounds the zygote and exits: the zygote is nobody's child
+        # to reap, in its own session, holding no descriptor of the caller.
+        subprocess.run(["/bin/sh", "-c", 'exec "$@" &', "sh", *cmd], env=env, cwd="/",
+                       stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
+                       start_new_session=True, close_fds=True, check=True, timeout=10)
+    finally:
+        os.close(log_fd)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m overmind_lab._kernel.zygote")
+    parser.add_argument("--socket", required=True)
+    parser.add_argument("--identity", required=True)
+    parser.add_argument("--owner", type=int, action="append", default=[])
+    args = parser.parse_args(argv)
+    # Note [Third-party only] in preload.py: nothing may be imported from the directory
+    # ``-m`` put first on sys.path (the child puts its own cwd there, as ``-m`` does).
+    # Not ``-P``: that sets sys.flags.safe_path, which a fresh kernel does not have.
+    if sys.path and not sys.flags.safe_path and sys.path[0] == os.getcwd():
+        del sys.path[0]
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s zygote %(process)d %(levelname)s %(message)s")
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    socket_path = Path(args.socket)
+    paths = ZygotePaths(socket_path.parent, args.identity)
+    task = serve(paths, args.owner)
+    if task is None:
+        return 0
+    from overmind_lab._kernel.child import exit_now, run
+
+    exit_now(run(task))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,270 @@
+"""The ``decoding`` case: speculative decoding and early exit on the trained pair of the
+decoding example (``examples/decoding/decoding.py``), tokens per second per method.
+
+One child process (``python -m overmind_lab.bench._decoding SPEC``) does everything, with
+one torch thread (single-token steps gain nothing from a second one, and lose a lot when
+another process holds the other core):
+
+1. builds the pair once under ``--models-dir`` (``decoding.build``: trains the target and
+   the draft, about 10 minutes on 2 cores; later runs reuse them) and loads both with
+   ``AutoModelForCausalLM.from_pretrained``;
+2. times one forward step of the draft and of the target (1 token, and K+1 tokens for
+   the verification) with their KV caches: what speculation can gain at most;
+3. calibrates the early-exit threshold (one for all exits) on calibration prompts: the
+   lowest of a grid at which at least 95% of the generated tokens equal the full model's;
+4. on every held-out prompt, runs each method in turn (greedy, speculative for each K,
+   self-speculative, early exit), so that drift of the machine hits all methods alike,
+   and checks that the exact methods give the greedy tokens.
+
+Reported: median tokens per second per method over the prompts; alpha (the per-token
+acceptance estimated from all the speculative rounds) and, per K, the measured tokens
+per target pass against (1 - alpha^(K+1)) / (1 - alpha); the best K and its speedup over
+greedy; the early-exit histogram, average layers, agreement and speedup.
+
+This module imports torch only in the child.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SPEEDUP_TARGET", "markdown", "run_decoding"]
+
+#: Greedy speculative decoding (best K) over greedy decoding, tokens per second.
+SPEEDUP_TARGET = 1.5
+#: Agreement with the full model the early-exit threshold is calibrated for.
+AGREEMENT = 0.95
+
+FULL = {"prompts": 12, "new_tokens": 64, "ks": [1, 2, 3, 4, 5, 6, 8], "self_ks": [2, 4],
+        "exit_layers": [2, 4], "calibration_prompts": 6, "calibration_tokens": 48}
+QUICK = {"prompts": 3, "new_tokens": 32, "ks": [1, 2, 4], "self_ks": [2], "exit_layers": [2],
+         "calibration_prompts": 2, "calibration_tokens": 24}
+
+
+def examples_dir() -> Path:
+    """``examples/decoding`` of the checkout this package runs from."""
+    import overmind_lab
+
+    return Path(overmind_lab.__file__).resolve().parents[1] / "examples" / "decoding"
+
+
+def run_decoding(models_dir: Path, quick: bool, env: dict[str, str],
+                 progress: Callable[[str], None], log_path: Path, timeout: float) -> dict[str, Any]:
+    """Run the measuring child; returns its result (or ``{"error": ...}``)."""
+    if not (examples_dir() / "decoding.py").exists():
+        return {"error": f"{examples_dir() / 'decoding.py'} not found: the decoding case runs "
+                         "from a source checkout (pip install -e .)"}
+    spec = {"models_dir": str(models_dir), "quick": quick, **(QUICK if quick else FULL)}
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "overmind_lab.bench._decoding", json.dumps(spec)],
+                                stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
+                                env=env, text=True)
+        result: dict[str, Any] = {}
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                msg = json.loads(line)
+                if "progress" in msg:
+                    progress(f"decoding: {msg['progress']}")
+                else:
+                    result = msg
+            proc.wait(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if proc.returncode != 0:
+        return {"error": f"the decoding child failed (exit {proc.returncode}); see {log_path}"}
+    return result
+
+
+def markdown(out: dict[str, Any]) -> list[str]:
+    """The decoding section of ``results.md``."""
+    lines = ["", "## Decoding: speculative decoding and early exit (examples/decoding)", ""]
+    if out.get("error"):
+        return lines + [f"Not measured: {out['error']}"]
+    cfg, tps, ee = out["config"], out["tokens_per_second"], out["early_exit"]
+    steps = out["step_seconds"]
+    for name, b in out.get("build", {}).items():
+        lines.append(f"- {name}: {(b.get('parameters') or 0) / 1e6:.2f}M parameters, trained "
+                     f"{b.get('steps')} steps in {b.get('seconds') or 0:.0f} s; final loss "
+                     f"{b.get('final_loss') or 0:.3f}, held out {(b.get('held_out_losses') or [0])[-1]:.3f} nats/byte")
+    lines += [f"- one step with a KV cache (median): target {steps['target']['1'] * 1e3:.2f} ms, draft "
+              f"{steps['draft']['1'] * 1e3:.2f} ms ({out['step_cost_ratio']:.1f}x); target verifying "
+              + ", ".join(f"{int(w) - 1}+1 tokens {s * 1e3:.2f} ms" for w, s in steps["target"].items()
+                          if w != "1"), "",
+              f"{cfg['prompts']} held-out prompts of 48 bytes, {cfg['new_tokens']} new tokens each; "
+              "medians over the prompts. Exact methods gave the greedy tokens on every prompt: "
+              f"{'yes' if out['exact'] else '**NO**: ' + ', '.join(out['mismatches'])}.", "",
+              "| method | tokens/s | vs greedy |", "| --- | ---: | ---: |"]
+    alphas = out.get("alpha_by_method", {})
+    for name, value in tps.items():
+        alpha = f" (alpha {alphas[name]:.3f})" if name in alphas else ""
+        lines.append(f"| {name}{alpha} | {value:.0f} | {value / tps['greedy']:.2f}x |")
+    lines += ["", f"alpha (per-token acceptance, all K) = {out['alpha']:.3f}; best K = {out['best_k']} "
+                  f"({out['speedup']:.2f}x, target ≥ {out['speedup_target']:g}x).", "",
+              "| K | alpha | tokens per target pass | per full round | predicted (1-α^(K+1))/(1-α) | speedup |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for k, r in out["per_k"].items():
+        full = "-" if r["tokens_per_full_round"] is None else f"{r['tokens_per_full_round']:.2f}"
+        lines.append(f"| {k} | {r['alpha']:.3f} | {r['tokens_per_pass']:.2f} | {full} | "
+                     f"{r['predicted_tokens_per_round']:.2f} | {r['speedup']:.2f}x |")
+    hist = ", ".join(f"{layer}: {count}" for layer, count in ee["histogram"].items())
+    lines += ["", f"Early exit at threshold {ee['threshold']:g} (calibrated: agreement "
+                  f"{ee['calibration_agreement']:.3f} on the calibration prompts; "
+                  f"{ee['agreement']:.3f} on these): {ee['average_layers']:.2f} of {out['layers']} "
+                  f"layers on average, {ee['speedup']:.2f}x greedy. Exit layers: {hist}.", ""]
+    return lines
+
+
+# -- the child -------------------------------------------------------------------------------
+
+
+def _say(**msg: Any) -> None:
+    print(json.dumps(msg), flush=True)
+
+
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
+def _step_costs(decoding: Any, model: Any, ks: list[int], repeat: int) -> dict[str, float]:
+    """Median seconds of one forward with a KV cache: 1 token, and k+1 tokens for each k."""
+    import torch
+
+    out: dict[str, float] = {}
+    with torch.inference_mode():
+        run = decoding.Runner(model)
+        cache = run.new_cache(128)
+        run.forward(list(range(32, 80)), cache)
+        for width in [1] + [k + 1 for k in ks]:
+            times = []
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                run.forward([32] * width, cache)
+                times.append(time.perf_counter() - t0)
+                cache.crop(48)
+            out[str(width)] = _median(times)
+    return out
+
+
+def child(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(examples_dir()))
+    import decoding  # type: ignore[import-not-found]
+    from transformers import AutoModelForCausalLM
+
+    t0 = time.perf_counter()
+    _say(progress=f"building (once) the target and the draft under {spec['models_dir']}")
+    target_dir, draft_dir = decoding.build(spec["models_dir"])
+    records = {name: decoding.read_marker(path) for name, path in
+               (("target", target_dir), ("draft", draft_dir))}
+    build = {name: {k: r.get(k) for k in ("seconds", "final_loss", "held_out_losses", "exit_losses",
+                                          "parameters", "steps")} for name, r in records.items() if r}
+    build_wall = time.perf_counter() - t0
+    target = AutoModelForCausalLM.from_pretrained(target_dir)
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir)
+    layers = int(target.config.num_hidden_layers)
+    n, ks = int(spec["new_tokens"]), list(spec["ks"])
+
+    _say(progress="timing one forward step of each model (KV cache)")
+    costs = {"target": _step_costs(decoding, target, ks, 60), "draft": _step_costs(decoding, draft, [], 200)}
+    cost_ratio = costs["target"]["1"] / costs["draft"]["1"]
+    _say(progress=f"one step: target {costs['target']['1'] * 1e3:.2f} ms, draft "
+                  f"{costs['draft']['1'] * 1e3:.2f} ms ({cost_ratio:.1f}x); target verifying 5 "
+                  f"tokens {costs['target'].get('5', float('nan')) * 1e3:.2f} ms")
+
+    calibration = decoding.prompts(spec["calibration_prompts"], seed=202)
+    threshold, calib_agreement = decoding.calibrate_threshold(
+        target, calibration, spec["calibration_tokens"], agreement=AGREEMENT)
+    _say(progress=f"early-exit threshold {threshold} (agreement {calib_agreement:.3f} on "
+                  f"{len(calibration)} calibration prompts)")
+
+    # (function, keyword arguments): each is called as function(ids, **kwargs)
+    methods: dict[str, tuple[Callable[..., tuple[Any, dict[str, Any]]], dict[str, Any]]] = {
+        "greedy": (decoding.greedy, {"target": target, "n": n})}
+    for k in ks:
+        methods[f"speculative k={k}"] = (decoding.speculative,
+                                         {"target": target, "draft": draft, "n": n, "k": k})
+    for e in spec["exit_layers"]:
+        for k in spec["self_ks"]:
+            methods[f"self-speculative k={k} exit={e}"] = (
+                decoding.self_speculative, {"target": target, "n": n, "k": k, "exit_layer": e})
+    methods["early exit"] = (decoding.early_exit, {"target": target, "n": n, "thresholds": threshold})
+
+    prompts = decoding.prompts(spec["prompts"], seed=101)
+    decoding.greedy(target, prompts[0], 8)  # warm-up
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in methods}
+    mismatches: list[str] = []
+    agreement: list[float] = []
+    for i, ids in enumerate(prompts):
+        expected = torch.empty(0)
+        for name, (method, kwargs) in methods.items():
+            tokens, stats = method(ids=ids, **kwargs)
+            runs[name].append({"tokens_per_second": n / stats["seconds"], **{
+                key: stats[key] for key in ("accepted", "proposed", "tokens_per_pass",
+                                            "exit_layers", "target_passes", "seconds")}})
+            if name == "greedy":
+                expected = tokens
+            elif name == "early exit":
+                agreement.append(decoding.exit_agreement(target, ids, tokens))
+            elif not torch.equal(tokens, expected):
+                mismatches.append(f"{name} on prompt {i}")
+        _say(progress=f"prompt {i + 1}/{len(prompts)}: greedy "
+                      f"{runs['greedy'][-1]['tokens_per_second']:.0f} tok/s")
+
+    tps = {name: _median([r["tokens_per_second"] for r in rs]) for name, rs in runs.items()}
+    spec_runs = {k: runs[f"speculative k={k}"] for k in ks}
+    alpha = decoding.acceptance_rate([r for rs in spec_runs.values() for r in rs])
+    per_k = {}
+    for k, rs in spec_runs.items():
+        passes = sum(r["target_passes"] for r in rs)
+        full_rounds = [t for r in rs for t, p in zip(r["tokens_per_pass"], r["proposed"], strict=True) if p == k]
+        per_k[str(k)] = {
+            "tokens_per_second": tps[f"speculative k={k}"],
+            "speedup": tps[f"speculative k={k}"] / tps["greedy"],
+            "alpha": decoding.acceptance_rate(rs),
+            "tokens_per_pass": n * len(rs) / passes,
+            # rounds cut short by the end of the n tokens draft fewer than k: left out here
+            "tokens_per_full_round": statistics.fmean(full_rounds) if full_rounds else None,
+            "predicted_tokens_per_round": decoding.predicted_tokens_per_round(alpha, k),
+        }
+    best_k = max(ks, key=lambda k: per_k[str(k)]["tokens_per_second"])
+    exits = [layer for r in runs["early exit"] for layer in r["exit_layers"][1:]]  # [0]: the prompt
+    histogram = {str(layer): exits.count(layer) for layer in range(1, layers + 1)}
+    self_best = max((name for name in tps if name.startswith("self-")), key=lambda m: tps[m])
+    return {
+        "config": {k: v for k, v in spec.items()}, "layers": layers, "build": build,
+        "build_wall_seconds": build_wall, "step_seconds": costs, "step_cost_ratio": cost_ratio,
+        "tokens_per_second": tps, "runs": runs, "alpha": alpha, "per_k": per_k, "best_k": best_k,
+        "speedup": per_k[str(best_k)]["speedup"], "speedup_target": SPEEDUP_TARGET,
+        "alpha_by_method": {name: decoding.acceptance_rate(rs) for name, rs in runs.items()
+                            if "speculative" in name},
+        "self_speculative_best": self_best, "self_speculative_speedup": tps[self_best] / tps["greedy"],
+        "early_exit": {
+            "threshold": threshold, "calibration_agreement": calib_agreement,
+            "agreement": statistics.fmean(agreement), "histogram": histogram,
+            "average_layers": statistics.fmean(exits), "speedup": tps["early exit"] / tps["greedy"],
+        },
+        "exact": not mismatches, "mismatches": mismatches,
+    }
+
+
+def main() -> int:
+    spec = json.loads(sys.argv[1])
+    _say(**child(spec))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""``overmind-lab bench --quick --only decoding`` end to end, on the trained pair of the
+decoding example (built once, shared with tests/test_decoding.py). Few prompts: the
+structure and the exactness verdict are asserted, not the speedup."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from overmind_lab.bench import _report
+from tests.test_decoding import MODELS, REPO, decoding
+
+pytestmark = pytest.mark.timeout(2400)  # builds the models when they are missing
+
+
+def test_bench_quick_decoding(tmp_path: Path) -> None:
+    decoding.build(MODELS)
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        [sys.executable, "-m", "overmind_lab", "bench", "--quick", "--only", "decoding",
+         "--models-dir", str(MODELS), "--out", str(out)],
+        capture_output=True, text=True, timeout=1800, cwd=REPO, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads((out / "results.json").read_text())
+    assert results["meta"]["cases"] == ["decoding"]
+    dec = results["decoding"]
+    assert dec["exact"] is True and dec["mismatches"] == []
+    assert set(dec["tokens_per_second"]) == {
+        "greedy", "speculative k=1", "speculative k=2", "speculative k=4",
+        "self-speculative k=2 exit=2", "early exit"}
+    assert 0 < dec["alpha"] < 1 and dec["best_k"] in (1, 2, 4)
+    for k, row in dec["per_k"].items():
+        assert row["predicted_tokens_per_round"] == pytest.approx(
+            decoding.predicted_tokens_per_round(dec["alpha"], int(k)))
+        assert 1 <= row["tokens_per_pass"] <= int(k) + 1
+    ee = dec["early_exit"]
+    assert ee["calibration_agreement"] >= 0.95
+    assert sum(ee["histogram"].values()) == 3 * 31  # 3 prompts, 32 tokens, the first is the prompt's
+    assert 1 <= ee["average_layers"] <= 8
+    assert dec["build"]["target"]["final_loss"] > 0
+    [target] = [t for t in results["targets"] if t["id"] == "decoding_speedup"]
+    assert target["value"] == dec["speedup"] and target["passed"] == (dec["speedup"] >= 1.5)
+    md = (out / "results.md").read_text()
+    assert "## Decoding: speculative decoding and early exit" in md
+    assert "| speculative k=4" in md and "Early exit at threshold" in md
+    assert "tokens/s, greedy speculative decoding (best K) / greedy" in proc.stdout
+
+
+def test_a_speedup_target_passes_at_or_above_its_limit() -> None:
+    def verdict(speedup: float) -> bool | None:
+        [t] = [t for t in _report.evaluate_targets({"decoding": {"speedup": speedup}})
+               if t["id"] == "decoding_speedup"]
+        assert t["unit"] == "x"
+        return t["passed"]
+
+    assert verdict(1.6) is True and verdict(1.5) is True and verdict(1.4) is False
+    [t] = [t for t in _report.evaluate_targets({}) if t["id"] == "decoding_speedup"]
+    assert t["value"] is None and t["passed"] is None

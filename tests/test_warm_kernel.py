@@ -1,0 +1,519 @@
+"""Warm kernels through real jupyter_client kernel managers, a real zygote and, for the
+parent-death case, a real Jupyter server process.
+
+The zygote here preloads a smaller set than the default (``OVERMIND_LAB_PRELOAD``: torch,
+numpy, ipykernel, IPython, overmind_lab) so that it boots in seconds; everything else is
+the production path. The module's zygote belongs to this pytest process; every process
+whose command line names the test's private directory (zygotes, and the kernels forked
+from them, which keep the zygote's command line) is killed at teardown, also on failure.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import overmind_lab
+from overmind_lab._kernel import spec
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
+
+PRELOAD = ("torch,numpy,threadpoolctl,IPython,ipykernel,ipykernel.kernelapp,"
+           "ipykernel.ipkernel,overmind_lab")
+REPO = str(Path(overmind_lab.__file__).resolve().parents[1])
+
+
+# -- processes -------------------------------------------------------------------------
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie counts as gone: it only waits for its parent to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rpartition(")")[2].split()[1])
+
+
+def _ours(marker: str) -> list[int]:
+    """Pids of live processes whose command line contains ``marker``."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmd and _alive(int(entry)):
+            out.append(int(entry))
+    return out
+
+
+def _kill_ours(marker: str) -> None:
+    for pid in _ours(marker):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 10
+    while _ours(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _wait_for(predicate: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def ready_zygote(directory: Path, not_pid: int | None = None,
+                 timeout: float = 300) -> dict[str, Any]:
+    """The status of the zygote in ``directory`` once it serves (and is not ``not_pid``)."""
+    def ready() -> dict[str, Any] | None:
+        for z in spec.zygotes(directory):
+            if z["pid"] != not_pid and not z["retiring"]:
+                return z
+        return None
+
+    return dict(_wait_for(ready, timeout, f"a zygote in {directory}"))
+
+
+# -- kernels ---------------------------------------------------------------------------
+
+LAUNCH_ENV: dict[str, str] = {}
+
+
+class ListHandler(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+class Kernel:
+    """A kernel of the warm kernelspec through jupyter_client, with its log lines."""
+
+    def __init__(self, cwd: str = "/", env: dict[str, str] | None = None) -> None:
+        from jupyter_client.manager import KernelManager
+
+        self.handler = ListHandler()
+        log = logging.getLogger(f"warm-test-{id(self)}")
+        log.addHandler(self.handler)
+        log.setLevel(logging.INFO)
+        self.km = KernelManager(kernel_name=spec.DEFAULT_NAME, log=log)
+        self.km.start_kernel(cwd=cwd, env={**LAUNCH_ENV, **(env or {})})
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=120)
+
+    @property
+    def warm(self) -> bool:
+        return getattr(self.km.provisioner, "warm", None) is not None
+
+    @property
+    def pid(self) -> int:
+        return int(self.km.provisioner.pid)
+
+    def log_text(self) -> str:
+        return "\n".join(self.handler.lines)
+
+    def run(self, code: str, timeout: float = 120) -> str:
+        out: list[str] = []
+        errors: list[str] = []
+
+        def hook(msg: dict[str, Any]) -> None:
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream" and content["name"] == "stdout":
+                out.append(content["text"])
+            elif kind == "error":
+                errors.append("\n".join(content["traceback"]))
+
+        reply = self.kc.execute_interactive(textwrap.dedent(code), timeout=timeout,
+                                            output_hook=hook)
+        assert reply["content"]["status"] == "ok", "\n".join(errors)
+        return "".join(out)
+
+    def json(self, code: str) -> Any:
+        return json.loads(self.run(code).strip().splitlines()[-1])
+
+    def restart(self) -> None:
+        self.km.restart_kernel(now=False)
+        self.kc.wait_for_ready(timeout=120)
+
+    def close(self) -> None:
+        self.kc.stop_channels()
+        if self.km.has_kernel:
+            self.km.shutdown_kernel(now=False)
+
+
+@pytest.fixture(scope="module")
+def warm_dir() -> Iterator[Path]:
+    """A private zygote directory, the warm kernelspec installed under it."""
+    with tempfile.TemporaryDirectory(prefix="olw-", dir="/tmp") as d:
+        mp = pytest.MonkeyPatch()
+        try:
+            mp.setenv("OVERMIND_LAB_SOCKET", f"{d}/d.sock")
+            mp.setenv("OVERMIND_LAB_PRELOAD", PRELOAD)
+            mp.setenv("JUPYTER_PATH", f"{d}/prefix/share/jupyter")
+            spec.install(prefix=f"{d}/prefix", env={"OVERMIND_TEST_SPEC_VAR": "from-spec"})
+            # The environment a server would pass: fixed now, since imports in this
+            # process (torch sets KMP_DUPLICATE_LIB_OK) would change the zygote identity.
+            LAUNCH_ENV.clear()
+            LAUNCH_ENV.update(os.environ)
+            yield Path(d)
+        finally:
+            _kill_ours(d)
+            mp.undo()
+
+
+@pytest.fixture(scope="module")
+def zygote(warm_dir: Path) -> dict[str, Any]:
+    """The first launch finds no zygote: it is plain, says why, and starts one."""
+    k = Kernel()
+    try:
+        assert not k.warm
+        assert "launching a plain kernel: no zygote was running" in k.log_text()
+        assert k.run("print(6 * 7)").strip() == "42"
+    finally:
+        k.close()
+    return ready_zygote(warm_dir)
+
+
+@pytest.fixture
+def kernel(zygote: dict[str, Any], tmp_path: Path) -> Iterator[Kernel]:
+    k = Kernel(cwd=str(tmp_path))
+    try:
+        yield k
+    finally:
+        k.close()
+
+
+# -- tests -----------------------------------------------------------------------------
+
+def test_start_execute_interrupt_restart_shutdown(kernel: Kernel, zygote: dict[str, Any]
+                                                  ) -> None:
+    assert kernel.warm, kernel.log_text()
+    info = kernel.json("import os, json; print(json.dumps([os.getpid(), os.getppid(), "
+                       "os.getsid(0), os.getpgrp()]))")
+    assert info == [kernel.pid, zygote["pid"], kernel.pid, kernel.pid]
+
+    # Interrupt a busy cell: the kernel gets KeyboardInterrupt, the zygote nothing.
+    msg_id = kernel.kc.execute("while True:\n    pass")
+    time.sleep(1.0)
+    kernel.km.interrupt_kernel()
+    reply = kernel.kc.get_shell_msg(timeout=30)
+    assert reply["parent_header"]["msg_id"] == msg_id
+    assert reply["content"]["status"] == "error"
+    assert reply["content"]["ename"] == "KeyboardInterrupt"
+    # ipykernel aborts requests that arrive right after an error (any kernel, plain too)
+    time.sleep(1.0)
+    assert kernel.run("print('still here')").strip() == "still here"
+    assert _alive(zygote["pid"])
+
+    old = kernel.pid
+    kernel.restart()
+    assert kernel.warm and kernel.pid != old
+    assert kernel.run("print(1 + 1)").strip() == "2"
+    _wait_for(lambda: not _alive(old), 10, "the old kernel to exit")
+    last = kernel.pid
+    kernel.close()
+    _wait_for(lambda: not _alive(last), 10, "the kernel to exit at shutdown")
+    assert _alive(zygote["pid"])
+
+
+ENV_CODE = """
+import json, os, random, sys
+print(json.dumps({"cwd": os.getcwd(), "session": os.environ.get("JPY_SESSION_NAME"),
+                  "spec": os.environ.get("OVERMIND_TEST_SPEC_VAR"),
+                  "zygote_only": [k for k in os.environ if k.startswith("OVERMIND_LAB_ORIG")
+                                  or k == "PYTORCH_NVML_BASED_CUDA_CHECK"],
+                  "blas": os.environ.get("OPENBLAS_NUM_THREADS"),
+                  "path0": sys.path[0], "random": random.random()}))
+"""
+
+
+def test_cwd_env_and_random_state_are_the_kernels_own(zygote: dict[str, Any],
+                                                      tmp_path: Path) -> None:
+    seen = []
+    for name in ("first.ipynb", "second.ipynb"):
+        k = Kernel(cwd=str(tmp_path), env={"JPY_SESSION_NAME": str(tmp_path / name)})
+        try:
+            assert k.warm, k.log_text()
+            got = k.json(ENV_CODE)
+        finally:
+            k.close()
+        assert got["cwd"] == str(tmp_path)
+        assert got["session"] == str(tmp_path / name)
+        assert got["spec"] == "from-spec"
+        assert got["zygote_only"] == []
+        assert got["blas"] == os.environ.get("OPENBLAS_NUM_THREADS")  # not the zygote's "1"
+        seen.append(got["random"])
+    assert seen[0] != seen[1]
+
+
+THREADS_CODE = """
+import hashlib, json
+import numpy as np, threadpoolctl, torch
+torch.manual_seed(0)
+a = torch.randn(384, 384, dtype=torch.float64)
+m = np.random.default_rng(0).standard_normal((384, 384))
+print(json.dumps({
+    "torch_threads": torch.get_num_threads(),
+    "interop": torch.get_num_interop_threads(),
+    "pools": {i["filepath"]: i["num_threads"] for i in threadpoolctl.threadpool_info()},
+    "torch_mm": hashlib.sha256((a @ a).numpy().tobytes()).hexdigest(),
+    "numpy_mm": hashlib.sha256((m @ m).tobytes()).hexdigest(),
+}))
+"""
+
+
+def test_thread_counts_and_matmul_results_match_a_fresh_process(kernel: Kernel) -> None:
+    assert kernel.warm, kernel.log_text()
+    warm = kernel.json(THREADS_CODE)
+    fresh_proc = subprocess.run([sys.executable, "-c", THREADS_CODE], capture_output=True,
+                                text=True, timeout=300, cwd="/", check=True)
+    fresh = json.loads(fresh_proc.stdout.strip().splitlines()[-1])
+    assert warm["torch_threads"] == fresh["torch_threads"]
+    assert warm["interop"] == fresh["interop"]
+    assert warm["torch_mm"] == fresh["torch_mm"]
+    assert warm["numpy_mm"] == fresh["numpy_mm"]
+    for path, n in fresh["pools"].items():
+        assert warm["pools"].get(path) == n, (path, warm["pools"], fresh["pools"])
+
+
+def test_an_edited_user_module_in_the_notebook_folder_runs_new_code(
+        kernel: Kernel, warm_dir: Path, tmp_path: Path) -> None:
+    mod = tmp_path / "my_user_module_xyz.py"
+    mod.write_text("VALUE = 1\n")
+    assert kernel.run("import my_user_module_xyz; print(my_user_module_xyz.VALUE)"
+                      ).strip() == "1"
+    kernel.restart()
+    assert kernel.warm
+    mod.write_text("VALUE = 2\n")
+    later = time.time() + 5
+    os.utime(mod, (later, later))
+    assert kernel.run("import my_user_module_xyz; print(my_user_module_xyz.VALUE)"
+                      ).strip() == "2"
+    kernel.restart()  # the exit of the kernel that imported it records learned modules
+    learned = "".join(p.read_text() for p in warm_dir.glob("zygote-*.learned.json"))
+    assert "my_user_module_xyz" not in learned
+
+
+def test_modules_a_kernel_imported_are_preloaded_by_a_later_zygote(
+        kernel: Kernel, warm_dir: Path) -> None:
+    """A kernel's exit records its third-party modules; the next fork notices that its
+    zygote lacks them and starts a replacement in the background (a replacement that was
+    already importing when the module was learned renews again on its own first fork)."""
+    check = "import sys; print('colorsys' in sys.modules)"
+    assert kernel.warm
+    assert kernel.run(check).strip() == "False"
+    kernel.run("import colorsys")
+    for _ in range(6):
+        kernel.restart()
+        assert kernel.warm, kernel.log_text()
+        if kernel.run(check).strip() == "True":
+            break
+        # let a replacement that is importing now take over before the next restart
+        _wait_for(lambda: not list(warm_dir.glob("zygote-*.sock.*")), 300,
+                  "booting zygotes to finish")
+        time.sleep(0.5)
+    else:
+        raise AssertionError(("no zygote preloaded colorsys", _logs(warm_dir)[-2000:]))
+    z = next(z for z in spec.zygotes(warm_dir) if z["pid"] == _ppid(kernel.pid))
+    assert "colorsys" in z["preload_roots"]
+
+
+@pytest.mark.skipif(os.getuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv to run a client as another uid")
+def test_another_uid_cannot_ask_the_zygote_to_fork(zygote: dict[str, Any]) -> None:
+    sock = Path(zygote["socket"])
+    before = {z["pid"]: z["forks"] for z in spec.zygotes(sock.parent)}
+    code = (f"import sys, json, socket; sys.path.insert(0, {REPO!r})\n"
+            "from overmind_lab._common.protocol import Channel\n"
+            "s = socket.socket(socket.AF_UNIX)\n"
+            "try:\n"
+            f"    s.connect({str(sock)!r})\n"
+            "except OSError as e:\n"
+            "    print(json.dumps({'error': str(e)})); raise SystemExit\n"
+            "c = Channel(s, 10)\n"
+            "try:  # the zygote may have answered and closed already\n"
+            "    c.send({'op': 'fork', 'argv': [sys.executable, '-m', "
+            "'ipykernel_launcher'], 'env': {}, 'cwd': '/'}, [0, 1, 2])\n"
+            "except OSError:\n"
+            "    pass\n"
+            "print(json.dumps(c.recv()[0]))\n")
+    as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                 sys.executable, "-c", code]
+    mode = sock.parent.stat().st_mode & 0o777
+    try:
+        sock.parent.chmod(0o700)
+        out = subprocess.run(as_nobody, capture_output=True, text=True, timeout=60)
+        assert out.stdout, out.stderr
+        assert "permission denied" in json.loads(out.stdout)["error"].lower()
+        sock.parent.chmod(0o755)
+        sock.chmod(0o777)
+        out = subprocess.run(as_nobody, capture_output=True, text=True, timeout=60)
+        assert out.stdout, out.stderr
+        reply = json.loads(out.stdout)
+        assert reply["ok"] is False
+        assert "does not serve uid 65534" in reply["error"]
+    finally:
+        sock.chmod(0o600)
+        sock.parent.chmod(mode)
+    for z in spec.zygotes(sock.parent):  # nothing was forked for the other uid
+        assert z["forks"] == before.get(z["pid"], 0)
+
+
+def test_a_touched_preloaded_module_retires_the_stale_zygote(
+        zygote: dict[str, Any], warm_dir: Path) -> None:
+    import threadpoolctl
+
+    current = ready_zygote(warm_dir)
+    path = Path(threadpoolctl.__file__)
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    k = Kernel()
+    try:
+        assert not k.warm
+        assert "the zygote is stale" in k.log_text(), (_logs(warm_dir), current,
+                                                       os.listdir(warm_dir))
+        assert str(path) in k.log_text()
+    finally:
+        k.close()
+    fresh = ready_zygote(warm_dir, not_pid=current["pid"])
+    _wait_for(lambda: not _alive(current["pid"]), 10, "the stale zygote to exit")
+    k = Kernel()
+    try:
+        assert k.warm, k.log_text()
+        assert _ppid(k.pid) == fresh["pid"]
+    finally:
+        k.close()
+
+
+def test_a_killed_zygote_gives_one_plain_launch_then_warm_again(
+        zygote: dict[str, Any], warm_dir: Path) -> None:
+    current = ready_zygote(warm_dir)
+    os.kill(current["pid"], signal.SIGKILL)
+    _wait_for(lambda: not _alive(current["pid"]), 10, "the zygote to die")
+    k = Kernel()
+    try:
+        assert not k.warm
+        assert "launching a plain kernel: no zygote was running" in k.log_text()
+        assert k.run("print('plain ok')").strip() == "plain ok"
+    finally:
+        k.close()
+    fresh = ready_zygote(warm_dir, not_pid=current["pid"])
+    k = Kernel()
+    try:
+        assert k.warm, k.log_text()
+        assert _ppid(k.pid) == fresh["pid"]
+    finally:
+        k.close()
+
+
+# -- a real Jupyter server, killed ----------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _api(port: int, path: str, method: str = "GET", body: Any = None) -> Any:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/api/{path}", method=method,
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Authorization": "token warm-test", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return json.loads(resp.read() or b"null")
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and _alive(int(entry)):
+            try:
+                if _ppid(int(entry)) == pid:
+                    out.append(int(entry))
+            except OSError:
+                continue
+    return out
+
+
+def test_a_sigkilled_server_leaves_no_kernel_and_no_zygote(tmp_path: Path) -> None:
+    with tempfile.TemporaryDirectory(prefix="olws-", dir="/tmp") as d:
+        env = {**os.environ, "OVERMIND_LAB_SOCKET": f"{d}/d.sock",
+               "OVERMIND_LAB_PRELOAD": PRELOAD, "JUPYTER_PATH": f"{d}/prefix/share/jupyter",
+               "JUPYTER_RUNTIME_DIR": f"{d}/runtime"}
+        spec.install(prefix=f"{d}/prefix")
+        port = _free_port()
+        server_log = open(f"{d}/server.log", "w")  # noqa: SIM115 - closed below
+        server = subprocess.Popen(
+            [sys.executable, "-m", "jupyter_server", f"--ServerApp.port={port}",
+             "--ServerApp.open_browser=False", "--IdentityProvider.token=warm-test",
+             f"--ServerApp.root_dir={tmp_path}", "--ServerApp.port_retries=0",
+             f"--ServerApp.config_file={d}/none.py", "--allow-root"],
+            env=env, cwd=d, stdout=subprocess.DEVNULL, stderr=server_log)
+        try:
+            _wait_for(lambda: _try(lambda: _api(port, "status")) or server.poll() is not None,
+                      120, "the server")
+            assert server.poll() is None, Path(f"{d}/server.log").read_text()
+            first = _api(port, "kernels", "POST", {"name": spec.DEFAULT_NAME})
+            zyg = ready_zygote(Path(d))
+            second = _api(port, "kernels", "POST", {"name": spec.DEFAULT_NAME})
+            assert first["id"] != second["id"]
+            warm_kernels = _wait_for(lambda: _children(zyg["pid"]), 60, "the warm kernel")
+            plain_kernels = [p for p in _children(server.pid)]
+            assert len(warm_kernels) == 1 and plain_kernels
+            watched = [zyg["pid"], *warm_kernels, *plain_kernels]
+            assert all(_alive(p) for p in watched)
+
+            server.kill()
+            server.wait(timeout=30)
+            t0 = time.monotonic()
+            _wait_for(lambda: not any(_alive(p) for p in watched), 5.0,
+                      f"kernels and zygote {watched} to exit after the server's SIGKILL")
+            assert time.monotonic() - t0 <= 5.0
+        finally:
+            if server.poll() is None:
+                server.kill()
+                server.wait(timeout=30)
+            server_log.close()
+            _kill_ours(d)
+
+
+def _logs(directory: Path) -> str:
+    return "\n".join(p.read_text() for p in directory.glob("zygote-*.log"))
+
+
+def _try(fn: Any) -> Any:
+    try:
+        return fn()
+    except OSError:
+        return None
