@@ -53,6 +53,16 @@ class LoadEvent:
     seconds: float
     cold_seconds: float | None = None
     reason: str | None = None
+
+    def summary(self) -> str:
+        """One human line, e.g. ``warm 0.05 s (cold load was 2.91 s, 58x)``."""
+        text = f"{self.outcome} {self.seconds:.2f} s"
+        if self.outcome == "warm" and self.cold_seconds:
+            speedup = self.cold_seconds / max(self.seconds, 1e-9)
+            text += f" (cold load was {self.cold_seconds:.2f} s, {speedup:.0f}x)"
+        elif self.reason:
+            text += f" ({self.reason})"
+        return text
     verified: bool | None = None  # verify mode: the hit equalled a plain load (or not)
 
 
