@@ -53,6 +53,7 @@ class LoadEvent:
     seconds: float
     cold_seconds: float | None = None
     reason: str | None = None
+    verified: bool | None = None  # verify mode: the hit equalled a plain load (or not)
 
     def summary(self) -> str:
         """One human line, e.g. ``warm 0.05 s (cold load was 2.91 s, 58x)``."""
@@ -63,7 +64,6 @@ class LoadEvent:
         elif self.reason:
             text += f" ({self.reason})"
         return text
-    verified: bool | None = None  # verify mode: the hit equalled a plain load (or not)
 
 
 class _State(threading.local):
