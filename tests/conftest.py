@@ -18,7 +18,6 @@ import pytest
 
 from overmind_lab import Client
 
-
 #: Every socket path a test used: the session-end check looks for daemons still serving one.
 _SOCKETS: list[Path] = []
 

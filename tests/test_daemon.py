@@ -62,8 +62,6 @@ def test_stale_socket_of_a_dead_daemon_is_replaced(sock_path: Path) -> None:
     assert client.replaced_dead_daemon
 
 
-@pytest.mark.skipif(os.getuid() != 0 or shutil.which("setpriv") is None,
-                    reason="needs root and setpriv to run a client as another uid")
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 
 
@@ -77,6 +75,8 @@ def python_for_nobody() -> str | None:
     return None
 
 
+@pytest.mark.skipif(os.getuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv to run a client as another uid")
 def test_a_second_uid_cannot_use_the_daemon(daemon: Client, sock_path: Path) -> None:
     python = python_for_nobody()
     if python is None:

@@ -81,7 +81,7 @@ def test_descriptors_arriving_with_the_first_byte(pair: tuple[socket.socket, Cha
         raw.sendall(data[1:])
         msg, got = chan.recv()
         assert msg == {"op": "store"} and len(got) == 2
-        assert all(same_file(g, f) for g, f in zip(got, fds))
+        assert all(same_file(g, f) for g, f in zip(got, fds, strict=True))
         assert chan.recv() == ({"op": "list"}, [])  # the next frame gets none of them
         for fd in got:
             os.close(fd)  # Note [Descriptor ownership]: the receiver's to close

@@ -28,7 +28,7 @@ from overmind_lab._common.naming import (
 from overmind_lab._common.sizes import parse_size
 from overmind_lab._daemon.server import Daemon, default_budget
 
-__all__ = ["run", "detach", "main", "add_serve_arguments", "serve_command", "log_path"]
+__all__ = ["run", "detach", "add_serve_arguments", "serve_command", "log_path"]
 
 log = logging.getLogger("overmind_lab.daemon")
 
