@@ -85,6 +85,7 @@ class Refresher:
 
     async def _run(self, entry: Entry) -> None:
         call = entry.call
+        assert call is not None  # start() runs only replayable entries
         env = dict(os.environ)
         env[SOCKET_ENV] = str(self.daemon.path)
         env["PYTHONPATH"] = os.pathsep.join(call.get("sys_path", []))
