@@ -43,7 +43,7 @@ ui-deps:
 	@command -v chromium >/dev/null || { apt-get update && apt-get install -y chromium; }
 	cd ui-tests && PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 ../$(JLPM) install --immutable
 
-test: install ui-deps test-js test-python
+test: install lint ui-deps test-js test-python
 
 test-js: install
 	$(JLPM) install --immutable

@@ -18,7 +18,10 @@ boundary into these, with ``raise ... from exc`` so the cause stays visible.
 
 from __future__ import annotations
 
+import enum
+
 __all__ = [
+    "ErrorKind",
     "OvermindError",
     "DaemonUnavailable",
     "ProtocolError",
@@ -27,6 +30,29 @@ __all__ = [
     "OvermindWarning",
     "VerifyMismatch",
 ]
+
+
+class ErrorKind(str, enum.Enum):
+    """Why the daemon refused a request: the ``kind`` of an ``{"ok": false}`` reply.
+
+    The values are the wire strings; a member compares equal to its string.
+    """
+
+    PERMISSION = "permission"  # another uid's client (SO_PEERCRED)
+    BAD_REQUEST = "bad_request"  # malformed request, unknown op, bad segment
+    UNSUPPORTED = "unsupported"  # this daemon cannot do that (e.g. refresh)
+    UNKNOWN_ENTRY = "unknown_entry"  # no entry matches the key, prefix or name
+    NO_LEASE = "no_lease"  # reserve/store without the lease from lookup
+    STALE_REFERENCE = "stale_reference"  # a referenced segment was evicted meanwhile
+    TOO_LARGE = "too_large"  # the entry does not fit the budget
+
+    @classmethod
+    def decode(cls, value: object) -> ErrorKind | None:
+        """The member for a wire string; ``None`` for one this client does not know."""
+        try:
+            return cls(value)
+        except ValueError:
+            return None
 
 
 class OvermindError(Exception):
@@ -40,7 +66,7 @@ class DaemonUnavailable(OvermindError):
 class ProtocolError(OvermindError):
     """The daemon sent or refused a message this client cannot handle."""
 
-    def __init__(self, message: str, kind: str = "") -> None:
+    def __init__(self, message: str, kind: ErrorKind | str = "") -> None:
         super().__init__(message)
         #: the daemon's reason code, e.g. ``"too_large"`` or ``"stale_reference"``
         self.kind = kind

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -16,6 +18,27 @@ import pytest
 
 from overmind_lab import Client
 
+#: Every socket path a test used: the session-end check looks for daemons still serving one.
+_SOCKETS: list[Path] = []
+
+
+def _daemons_on(path: Path) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", f"overmind_lab serve .*--socket {path}( |$)"],
+                         capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if a daemon that a test started on one of its sockets is still alive."""
+    leaked = {str(p): pids for p in _SOCKETS if (pids := _daemons_on(p))}
+    if leaked:
+        for pids in leaked.values():
+            for pid in pids:  # ours: started on a socket path this session made
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+        print(f"\nleaked overmind-lab daemons (stopped now): {leaked}", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
 
 @pytest.fixture
 def sock_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
@@ -26,6 +49,7 @@ def sock_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """
     with tempfile.TemporaryDirectory(prefix="olt-", dir="/tmp") as d:
         path = Path(d) / "d.sock"
+        _SOCKETS.append(path)
         monkeypatch.setenv("OVERMIND_LAB_SOCKET", str(path))
         monkeypatch.setenv("OVERMIND_LAB_CACHE_DIR", str(Path(d) / "cache"))
         yield path

@@ -57,10 +57,10 @@ def test_the_panel_shows_every_entry_and_the_memory(panel: OvermindPanel,
     assert len(panel.grid.children) == 8 * (1 + len(entries))
 
 
-def test_a_warm_load_shows_up_after_refresh(panel: OvermindPanel, filled: Client,
+def test_a_warm_load_shows_up_after_a_poll(panel: OvermindPanel, filled: Client,
                                             tiny_unet_dir: Path) -> None:
     overmind_lab.load(UNet2DConditionModel.from_pretrained, tiny_unet_dir)
-    panel.refresh()
+    panel.poll()
     unet = next(e for e in filled.entries() if e["name"].startswith("UNet2DConditionModel"))
     row = panel.row(unet["key"])
     assert row.cells[1].value == "1"

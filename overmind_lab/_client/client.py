@@ -20,7 +20,13 @@ from typing import Any
 
 from overmind_lab._common.naming import SOCKET_ENV, socket_path
 from overmind_lab._common.protocol import Channel
-from overmind_lab._errors import DaemonUnavailable, ProtocolError, UnknownEntry
+from overmind_lab._errors import (
+    DaemonUnavailable,
+    ErrorKind,
+    OvermindError,
+    ProtocolError,
+    UnknownEntry,
+)
 
 __all__ = ["Client", "Session"]
 
@@ -240,13 +246,20 @@ def _recv(chan: Channel) -> tuple[dict[str, Any], list[int]]:
     if not reply.get("ok", False):
         for fd in fds:
             os.close(fd)
-        kind, text = reply.get("kind", ""), reply.get("error", "the daemon refused")
-        if kind == "unknown_entry":
-            raise UnknownEntry(text)
-        if kind == "permission":
-            raise DaemonUnavailable(text)
-        raise ProtocolError(text, kind)
+        raise _refusal(reply)
     return reply, fds
+
+
+def _refusal(reply: dict[str, Any]) -> OvermindError:
+    """The exception for an ``{"ok": false}`` reply: the one place error kinds are decoded."""
+    raw = reply.get("kind", "")
+    kind = ErrorKind.decode(raw)
+    text = str(reply.get("error", "the daemon refused"))
+    if kind is ErrorKind.UNKNOWN_ENTRY:
+        return UnknownEntry(text)
+    if kind is ErrorKind.PERMISSION:
+        return DaemonUnavailable(text)
+    return ProtocolError(text, kind.value if kind is not None else str(raw))
 
 
 def _resolve(path: str | os.PathLike[str] | None) -> Path:

@@ -94,6 +94,10 @@ class WritePlan:
             untyped = untyped.cpu()  # cached on host, moved back on load
             ptr = int(untyped.data_ptr())
             self.keep_alive.append(untyped)
+        # Note [Borrowed storage views]: ``buf`` is a raw view of the storage's memory with
+        # no reference to the storage. It stays valid for the whole store only because the
+        # caller (``load``) still holds ``result``, which holds every CPU storage, until the
+        # segment is written; a storage copied off a device is held by ``keep_alive``.
         buf = (ctypes.c_char * nbytes).from_address(ptr) if nbytes else b""
         where = find_mapping(ptr, nbytes) if nbytes and device == "cpu" else None
         source = (self.sources.find(ptr, nbytes) if where is None and nbytes

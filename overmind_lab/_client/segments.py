@@ -10,6 +10,14 @@ Reader side: :func:`map_segment` maps a received fd ``MAP_PRIVATE`` with read an
 permission. Reads share the page cache pages of the file or memfd; a write copies only
 the touched page into the writing process (Note [Copy-on-write isolation]).
 
+Note [Copy-on-write isolation]: a cached model is shared by every process that loaded it,
+yet each process may change its copy (fine-tune it, ``.half()`` it in place) without any
+other process seeing the change. Two things make it so: the segment is sealed
+(``F_SEAL_WRITE``), so no process can write the memfd itself, and readers map it
+``MAP_PRIVATE | PROT_WRITE``, so a write to a page makes the kernel copy that one page into
+the writer's private memory first. Untouched pages stay shared page-cache pages; the cache
+entry stays byte-for-byte what was stored, and a later load gets the pristine weights.
+
 Note [Provenance]: every mapping is remembered by address range until it is unmapped, so
 that pickling an object that came from the cache can reference its segment instead of
 copying the bytes again (``vae=vae``). Because a process may have written into its private

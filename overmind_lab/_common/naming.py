@@ -7,13 +7,15 @@ socket path (tests, benchmarks, several caches side by side).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
 import tempfile
 from pathlib import Path
 
 __all__ = [
-    "SOCKET_ENV", "BUDGET_ENV", "CACHE_DIR_ENV", "MEMFD_PREFIX", "default_cache_dir",
+    "SOCKET_ENV", "BUDGET_ENV", "CACHE_DIR_ENV", "MEMFD_PREFIX", "SEGMENT_SEALS",
+    "default_cache_dir",
     "socket_path", "runtime_dir", "ensure_private_dir", "lock_path", "log_path",
 ]
 
@@ -23,6 +25,8 @@ CACHE_DIR_ENV = "OVERMIND_LAB_CACHE_DIR"
 #: A memfd segment (the fallback tier) is named ``overmind-lab:<segment id>``: the daemon
 #: finds holders by it (segment files by their path in the cache directory).
 MEMFD_PREFIX = "overmind-lab:"
+#: The seals a writer adds to a finished segment and the daemon requires before it keeps one.
+SEGMENT_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 def default_cache_dir() -> Path:
@@ -66,6 +70,13 @@ def ensure_private_dir(path: Path) -> None:
         os.chmod(path, 0o700)
 
 
+# Note [Lifetime lock]: a running daemon holds an exclusive ``flock`` on ``<socket>.lock``
+# from before it binds until it exits, and the kernel drops the lock when the process dies,
+# however it dies. So whoever takes the lock knows that no daemon owns the socket: a socket
+# file found then is stale (its daemon crashed or was killed) and is unlinked and rebound.
+# Whoever cannot take it knows a live daemon owns the socket, even one still starting up,
+# and leaves the socket alone. The socket file alone proves nothing: connect() to a dead
+# daemon's socket fails, but so does connect() to a daemon that has not yet called listen().
 def lock_path(socket: Path) -> Path:
     """The daemon's lifetime lock beside its socket (``Note [Lifetime lock]``)."""
     return socket.with_name(socket.name + ".lock")

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from overmind_lab._common.lookup import match_keys
 from overmind_lab._daemon.store import Segment, footprint
 
 __all__ = ["Segment", "Entry", "Index", "TooLarge", "WARM_HISTORY"]
@@ -73,7 +74,6 @@ class Index:
         self.segments: dict[str, Segment] = {}
         self.evicted: dict[str, int] = {}
         self.reserved: dict[str, int] = {}
-        self.evicted_total = 0
 
     # -- accounting -------------------------------------------------------------------
     @property
@@ -97,13 +97,8 @@ class Index:
         self.entries.move_to_end(key)
 
     def resolve(self, key_or_prefix: str) -> list[str]:
-        """Keys matching exactly, else by unique prefix, else by exact display name."""
-        if key_or_prefix in self.entries:
-            return [key_or_prefix]
-        matches = [k for k in self.entries if k.startswith(key_or_prefix)]
-        if not matches:
-            matches = [k for k, e in self.entries.items() if e.name == key_or_prefix]
-        return matches
+        """Keys matching exactly, else by prefix, else by exact display name."""
+        return match_keys(key_or_prefix, ((k, e.name) for k, e in self.entries.items()))
 
     # -- budget -----------------------------------------------------------------------
     def reserve(self, token: str, nbytes: int, protect: set[str]) -> list[str]:
@@ -154,7 +149,6 @@ class Index:
                 if self.on_drop is not None:
                     self.on_drop(seg)
                 self.evicted[sid] = seg.size
-                self.evicted_total += seg.size
         return entry
 
     def close(self, release: Callable[[Segment], None]) -> None:

@@ -30,7 +30,7 @@ from overmind_lab._common.sizes import parse_size
 from overmind_lab._daemon.server import Daemon, default_budget
 from overmind_lab._daemon.store import CacheDirRefused, check_cache_dir
 
-__all__ = ["run", "detach", "main", "add_serve_arguments", "serve_command", "log_path"]
+__all__ = ["run", "detach", "add_serve_arguments", "serve_command", "log_path"]
 
 log = logging.getLogger("overmind_lab.daemon")
 
@@ -146,12 +146,6 @@ def _configure_logging() -> None:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="overmind-lab serve")
-    add_serve_arguments(parser)
-    return serve_command(parser.parse_args(argv))
-
-
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--socket", help="socket path (default: $OVERMIND_LAB_SOCKET or "
                                          "the per-user runtime directory)")
@@ -181,9 +175,3 @@ def serve_command(args: argparse.Namespace) -> int:
         return detach(path, budget, cache_dir)
     _configure_logging()
     return run(path, budget, cache_dir=cache_dir)
-
-
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -14,14 +14,19 @@ The daemon side (:class:`Refresher`) imports only the standard library; the work
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from overmind_lab._common.naming import SOCKET_ENV
+
+if TYPE_CHECKING:  # server.py imports this module's attach; only the types point back
+    from overmind_lab._daemon.index import Entry
+    from overmind_lab._daemon.server import Daemon
 
 __all__ = ["attach", "Refresher"]
 
@@ -29,16 +34,30 @@ log = logging.getLogger("overmind_lab.refresh")
 REFRESH_TIMEOUT = 3600.0
 
 
-def attach(daemon: Any) -> None:
+def attach(daemon: Daemon) -> None:
     daemon.refresher = Refresher(daemon)
 
 
 class Refresher:
-    def __init__(self, daemon: Any) -> None:
+    def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.workers: set[asyncio.subprocess.Process] = set()
 
-    def start(self, entry: Any) -> dict[str, Any]:
+    def close(self) -> None:
+        """Kill the running workers: the daemon is stopping.
+
+        Note [Workers outlive no daemon]: a worker loads through an ordinary client, which
+        starts a daemon when none listens. A worker left running after its daemon stopped
+        would therefore start a new daemon on the same socket and park its entry there, a
+        daemon nobody asked for. So the daemon kills its workers before it goes.
+        """
+        for proc in self.workers:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+        self.workers.clear()
+
+    def start(self, entry: Entry) -> dict[str, Any]:
         """Start refreshing ``entry``; returns the entry as listed."""
         if entry.call is None:
             entry.refresh = {"state": "failed", "started": None,
@@ -64,8 +83,9 @@ class Refresher:
     def _find(self, key: str) -> dict[str, Any]:
         return next(e for e in self.daemon.list_entries() if e["key"] == key)
 
-    async def _run(self, entry: Any) -> None:
+    async def _run(self, entry: Entry) -> None:
         call = entry.call
+        assert call is not None  # start() runs only replayable entries
         env = dict(os.environ)
         env[SOCKET_ENV] = str(self.daemon.path)
         env["PYTHONPATH"] = os.pathsep.join(call.get("sys_path", []))
@@ -75,9 +95,13 @@ class Refresher:
                 call.get("python") or sys.executable, "-m", "overmind_lab._client.refresh_worker",
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE, cwd=call.get("cwd") or "/", env=env)
-            out, err = await asyncio.wait_for(
-                proc.communicate(json.dumps({"key": entry.key, "call": call}).encode()),
-                REFRESH_TIMEOUT)
+            self.workers.add(proc)
+            try:
+                out, err = await asyncio.wait_for(
+                    proc.communicate(json.dumps({"key": entry.key, "call": call}).encode()),
+                    REFRESH_TIMEOUT)
+            finally:
+                self.workers.discard(proc)
         except (OSError, asyncio.TimeoutError) as exc:
             entry.refresh.update(state="failed", message=f"could not run the refresh: {exc}")
             return

@@ -35,7 +35,7 @@ import socket
 import struct
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from overmind_lab import __version__
 from overmind_lab._common.naming import BUDGET_ENV
@@ -52,6 +52,9 @@ from overmind_lab._daemon.store import (
     new_segment_id,
     resident_bytes,
 )
+
+if TYPE_CHECKING:
+    from overmind_lab._daemon.refresh import Refresher
 
 __all__ = ["Daemon", "default_budget", "peer_credentials"]
 
@@ -102,7 +105,7 @@ class Daemon:
             restore(self.store, self.index)
         self.started = time.time()
         self.stopping = asyncio.Event()
-        self.refresher: Any = None  # set by _refresh.attach (avoids an import cycle)
+        self.refresher: Refresher | None = None  # set by refresh.attach
 
     # -- lifecycle --------------------------------------------------------------------
     async def serve(self, sock: socket.socket) -> None:
@@ -117,6 +120,8 @@ class Daemon:
         await self.stopping.wait()
         accepting.cancel()
         verifier.cancel()
+        if self.refresher is not None:
+            self.refresher.close()  # Note [Workers outlive no daemon]
         await self._shutdown()
         log.info("stopped")
 
@@ -278,9 +283,6 @@ class Daemon:
                 self.leases[key] = _Lease(chan)
                 held.add(key)
                 await asyncio.wait_for(chan.send({"ok": True, "lease": True}), SEND_TIMEOUT)
-                return
-            if not msg.get("wait", True):
-                await chan.send({"ok": True, "busy": True})
                 return
             if not announced:
                 await asyncio.wait_for(chan.send({"ok": True, "wait": True}), SEND_TIMEOUT)

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from overmind_lab._common.naming import CACHE_DIR_ENV, MEMFD_PREFIX
+from overmind_lab._common.naming import CACHE_DIR_ENV, MEMFD_PREFIX, SEGMENT_SEALS
 
 __all__ = ["CacheDirRefused", "Corrupt", "Segment", "Store", "new_segment_id", "check_cache_dir",
            "filesystem_type", "footprint", "file_bytes", "resident_bytes"]
@@ -65,7 +65,6 @@ _SEG_MAGIC = b"OVLSEG\x00\x01"
 _INDEX_HEADER = struct.Struct(">8sQI")
 _INDEX_MAGIC = b"OVLIDX\x00\x01"
 FORMAT_VERSION = 1
-_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 #: File systems whose pages are not worth a file (tmpfs: shmem, 4 KiB pages, no disk) or
 #: not reliably ours (network and FUSE file systems change under us, may not fsync).
 FALLBACK_FILESYSTEMS = frozenset({
@@ -259,8 +258,12 @@ class Store:
         if size != max(seg.size, 1):
             raise Corrupt(f"segment {seg.id} has {size} bytes, {max(seg.size, 1)} announced")
         if seg.tier == "memfd":
+            # Note [Seal after unmapping]: F_SEAL_WRITE fails with EBUSY while any shared
+            # writable mapping of the memfd exists. The writer unmaps before it sends
+            # ``store``; sealing earlier would forbid the writing itself. Readers map
+            # MAP_PRIVATE, which the seal allows.
             try:
-                fcntl.fcntl(seg.fd, fcntl.F_ADD_SEALS, _SEALS)
+                fcntl.fcntl(seg.fd, fcntl.F_ADD_SEALS, SEGMENT_SEALS)
             except OSError as exc:  # a writable mapping is still alive somewhere
                 raise Corrupt(f"segment {seg.id} could not be sealed: {exc}") from exc
 

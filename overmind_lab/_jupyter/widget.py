@@ -46,7 +46,7 @@ def widget(*, interval: float | None = 2.0, client: Any = None) -> OvermindPanel
     """An ipywidgets panel that shows and manages the cache.
 
     ``interval``: seconds between polls of the daemon (``None``: only on demand, with
-    the panel's *Reload* button or :meth:`OvermindPanel.refresh`). ``client``: an
+    the panel's *Reload* button or :meth:`OvermindPanel.poll`). ``client``: an
     :class:`overmind_lab.Client` (default: the user's daemon).
 
     >>> import overmind_lab
@@ -140,21 +140,21 @@ class OvermindPanel(w.VBox):  # type: ignore[misc]
                                       tooltip="ask the daemon again now")
         self.message = w.HTML()
         self.evict_all_button.on_click(lambda _b: self._act(self._evict_all))
-        self.reload_button.on_click(lambda _b: self.refresh())
+        self.reload_button.on_click(lambda _b: self.poll())
         self._heads = [w.HTML(f"<b>{c}</b>") for c in _COLUMNS]
         super().__init__([
             self.header, self.usage, self.grid,
             w.HBox([self.evict_all_button, self.reload_button, self.message]),
         ])
         self._thread: threading.Thread | None = None
-        self.refresh()
+        self.poll()
         if interval:
             self._thread = threading.Thread(target=self._poll, name="overmind-lab-widget",
                                             daemon=True)
             self._thread.start()
 
     # -- data -----------------------------------------------------------------------------
-    def refresh(self) -> None:
+    def poll(self) -> None:
         """Ask the daemon for its status and entries now and update the panel."""
         with self._lock:
             status = self.client.status()
@@ -243,7 +243,7 @@ class OvermindPanel(w.VBox):  # type: ignore[misc]
             self._say(f"already gone: {exc}")
         except OvermindError as exc:
             self._say(f"failed: {exc}", error=True)
-        self.refresh()
+        self.poll()
 
     def _say(self, text: str, *, error: bool = False) -> None:
         color = "var(--jp-error-color1, #d32f2f)" if error else "inherit"
@@ -254,7 +254,7 @@ class OvermindPanel(w.VBox):  # type: ignore[misc]
         assert self.interval
         while not self._stop.wait(self.interval):
             try:
-                self.refresh()
+                self.poll()
             except Exception as exc:  # noqa: BLE001 - keep polling; show what went wrong
                 self._say(f"could not reach the daemon: {exc}", error=True)
 

@@ -1,4 +1,4 @@
-"""The kernel-restart loop (issue 3): a real ipykernel driven through ``jupyter_client``.
+"""The kernel-restart loop (load time after a restart): a real ipykernel driven through ``jupyter_client``.
 
 One kernel runs the pipeline load cell three times, restarted in between:
 

@@ -1,7 +1,7 @@
-"""Benchmark results: statistics, the issue's targets, and the three output files.
+"""Benchmark results: statistics, the targets (load speed, memory, REST latency), three files.
 
 ``results.json`` holds everything (every run of every process); ``results.md`` a
-markdown report with the ratios against the targets of issues 2 and 3; ``results.png``
+markdown report with the ratios against the targets; ``results.png``
 a bar chart (log scale) of plain / first / warm load times per case, with the PSS
 comparison and the kernel-restart cells beside it.
 """
@@ -112,7 +112,8 @@ def _median(results: dict[str, Any], case: str, mode: str) -> float | None:
 
 
 def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's targets with the measured values (``None`` when not measured)."""
+    """The targets (warm and first loads, PSS, REST latency, correctness) with the measured
+    values (``None`` when not measured)."""
     cases = results.get("cases", {})
     values: dict[str, float | None] = {
         "unet_fp16_warm": cases.get("unet-fp16", {}).get("ratios", {}).get("warm_over_plain"),
@@ -204,7 +205,7 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
     if meta.get("quick"):
         lines += ["", "**Quick run on tiny models (for tests): the ratios below say nothing about "
                       "real models; the targets apply to a full run.**"]
-    lines += ["", "## Targets (issues 2 and 3)", "",
+    lines += ["", "## Targets", "",
               "| target | measured | limit | |", "| --- | ---: | ---: | :---: |"]
     for t in results.get("targets", []):
         if t["id"] == "correct":

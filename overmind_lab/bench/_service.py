@@ -25,10 +25,10 @@ from typing import Any
 
 from overmind_lab._common.naming import SOCKET_ENV
 
-__all__ = ["Daemon"]
+__all__ = ["PrivateDaemon"]
 
 
-class Daemon:
+class PrivateDaemon:
     """A handle on the daemon used by one benchmark run."""
 
     def __init__(self, socket: str | None, log_path: Path, budget: str | None = None) -> None:
@@ -127,7 +127,7 @@ class Daemon:
             shutil.rmtree(self.cache_dir, ignore_errors=True)
             self.cache_dir = None
 
-    def __enter__(self) -> Daemon:
+    def __enter__(self) -> PrivateDaemon:
         self.start()
         return self
 

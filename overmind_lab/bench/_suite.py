@@ -29,7 +29,7 @@ from overmind_lab.bench._runner import (
     child_env,
     run_sequence,
 )
-from overmind_lab.bench._service import Daemon
+from overmind_lab.bench._service import PrivateDaemon
 
 __all__ = ["run_bench"]
 
@@ -83,7 +83,7 @@ class Bench:
         self.progress = Progress()
         self.dirs = _cases.model_dirs(self.models_dir, self.quick)
         self.holders = QUICK_HOLDERS if self.quick else HOLDERS
-        self.daemon: Daemon | None = None
+        self.daemon: PrivateDaemon | None = None
         self.env: dict[str, str] = {}
         self.results: dict[str, Any] = {"meta": {}, "models": {}, "cases": {}, "errors": []}
 
@@ -388,7 +388,7 @@ class Bench:
             how = "reused" if info.get("reused") else f"built in {info['seconds']:.0f} s"
             self.progress(f"models: {key}: {info['path']} ({(info.get('bytes') or 0) / 1e9:.2f} GB, {how})")
 
-        self.daemon = Daemon(self.args.socket, self.logs / "daemon.log", budget=self.args.budget)
+        self.daemon = PrivateDaemon(self.args.socket, self.logs / "daemon.log", budget=self.args.budget)
         try:
             status = self.daemon.start()
             self.results["meta"].update(socket=self.daemon.socket, private_daemon=self.daemon.private,

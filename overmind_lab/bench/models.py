@@ -44,6 +44,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from overmind_lab._common.sizes import format_size
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
@@ -266,14 +268,6 @@ def _log(msg: str) -> None:
     print(f"[overmind-lab models] {msg}", file=sys.stderr, flush=True)
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} GB"  # pragma: no cover
-
-
 def _dir_bytes(path: Path) -> int:
     total = 0
     for root, _dirs, files in os.walk(path):
@@ -295,7 +289,7 @@ def _bytes_ticker(label: str, path: Path, interval: float = 2.0) -> Iterator[Non
             now, written = time.perf_counter(), _dir_bytes(path)
             if written != last_bytes or now - last_print >= 10:
                 state = "written" if written != last_bytes else "written, flushing"
-                _log(f"{label}: {_fmt_bytes(written)} {state} ({now - t0:.0f} s)")
+                _log(f"{label}: {format_size(written)} {state} ({now - t0:.0f} s)")
                 last_bytes, last_print = written, now
 
     thread = threading.Thread(target=tick, name="overmind-models-progress", daemon=True)
@@ -437,7 +431,7 @@ def _build_atomic(
         os.rename(partial, target)
         _fsync_dir(target.parent)
         _log(
-            f"{spec['component']} ready: {target} ({_fmt_bytes(marker['bytes'])} in "
+            f"{spec['component']} ready: {target} ({format_size(marker['bytes'])} in "
             f"{time.perf_counter() - t0:.1f} s)"
         )
         return target

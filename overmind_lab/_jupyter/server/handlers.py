@@ -19,7 +19,8 @@ authentication (``APIHandler`` + ``@tornado.web.authenticated``: no token, no an
                                             replacement with fresh imports and retires
 ==========================================  ====================================================
 
-``<key>`` is an entry's hex key, or a prefix of it that matches exactly one entry.
+``<key>`` names one entry the way the daemon resolves it (``_common.lookup.match_keys``):
+its hex key, a prefix of it, or its display name, matching exactly one entry.
 
 The two ``GET`` routes are what the sidebar polls; they do not count as user activity
 (``_track_activity = False``), so an open sidebar does not keep an idle server from being
@@ -41,6 +42,7 @@ from tornado.ioloop import IOLoop
 from traitlets import Int, Unicode
 from traitlets.config import Configurable
 
+from overmind_lab._common.lookup import match_keys
 from overmind_lab._common.sizes import available_memory, total_memory
 from overmind_lab._errors import DaemonUnavailable, OvermindError, UnknownEntry
 
@@ -94,9 +96,6 @@ class OvermindLab(Configurable):
         return await IOLoop.current().run_in_executor(
             self.executor, lambda: fn(self.client())
         )
-
-    def close(self) -> None:
-        self.executor.shutdown(wait=False)
 
 
 def _with_memory(status: dict[str, Any]) -> dict[str, Any]:
@@ -188,7 +187,9 @@ class EntryHandler(_Handler):
         ok, entries = await self.daemon(_entries)
         if not ok:
             return
-        found = [e for e in entries or [] if str(e.get("key", "")).startswith(key)]
+        listed = entries or []
+        keys = match_keys(key, ((str(e.get("key", "")), str(e.get("name", ""))) for e in listed))
+        found = [e for e in listed if e.get("key") in keys]
         if len(found) == 1:
             self.reply(found[0])
         elif not found:

@@ -1,0 +1,22 @@
+"""How a user's word names cache entries: one rule for the daemon and the REST handler."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+__all__ = ["match_keys"]
+
+
+def match_keys(query: str, entries: Iterable[tuple[str, str]]) -> list[str]:
+    """The keys of ``(key, display name)`` pairs that ``query`` names, in their order.
+
+    An exact key wins; else every key that starts with ``query``; else every entry whose
+    display name is exactly ``query``. More than one match is ambiguous: the caller decides.
+    """
+    pairs = list(entries)
+    if any(key == query for key, _ in pairs):
+        return [query]
+    matches = [key for key, _ in pairs if key.startswith(query)]
+    if not matches:
+        matches = [key for key, name in pairs if name == query]
+    return matches
