@@ -16,7 +16,7 @@ from overmind_lab._daemon.index import Entry, Index, Segment, TooLarge
 def segment(sid: str, size: int) -> Segment:
     fd = os.memfd_create(f"olt-index-{sid}", os.MFD_CLOEXEC)
     os.ftruncate(fd, size)
-    return Segment(id=sid, fd=fd, size=size)
+    return Segment(id=sid, fd=fd, size=size, tier="memfd")
 
 
 def entry(key: str, own: list[str], shared: list[str] | None = None) -> Entry:
@@ -32,11 +32,16 @@ def is_open(fd: int) -> bool:
     return True
 
 
+def release(seg: Segment) -> None:
+    """What the daemon's store does when the index lets go of a segment (closes its fd)."""
+    os.close(seg.fd)
+
+
 @pytest.fixture
 def index() -> Iterator[Index]:
-    idx = Index(budget=1000)
+    idx = Index(budget=1000, on_drop=release)
     yield idx
-    idx.close()  # closes every fd still held
+    idx.close(release)  # every segment still held
 
 
 def put(idx: Index, key: str, size: int) -> Segment:
