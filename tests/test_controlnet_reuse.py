@@ -8,8 +8,12 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 import overmind_lab
 from overmind_lab import Client
@@ -28,8 +32,23 @@ def run_example(models: Path) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_components_passed_in_are_cached_once_and_load_warm(daemon: Client,
+@pytest.fixture
+def memfd_tier(sock_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A cache directory on tmpfs: the daemon keeps every segment in a memfd.
+
+    In the file tier, tensors that are unchanged regions of a source file are referenced
+    by hard links counted whole, so byte counts would not show what was copied; this
+    test is about dedup by provenance, which both tiers share. (After ``sock_path``,
+    which sets a private cache directory on disk.)
+    """
+    with tempfile.TemporaryDirectory(prefix="olt-cache-", dir="/dev/shm") as d:
+        monkeypatch.setenv("OVERMIND_LAB_CACHE_DIR", d)
+        yield
+
+
+def test_components_passed_in_are_cached_once_and_load_warm(memfd_tier: None, daemon: Client,
                                                            tmp_path: Path) -> None:
+    assert "memfd" in str(daemon.status().get("tier")), daemon.status()
     first = run_example(tmp_path / "models")
     second = run_example(tmp_path / "models")
 
