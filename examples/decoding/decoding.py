@@ -663,7 +663,7 @@ def _loss(model: Any, batch: torch.Tensor, exit_loss: bool) -> tuple[torch.Tenso
     chosen = states if exit_loss else states[-1:]
     losses = [F.cross_entropy(run.logits(h).reshape(-1, run.vocab), labels) for h in chosen]
     total = losses[-1] + (EXIT_WEIGHT * torch.stack(losses[:-1]).mean() if len(losses) > 1 else 0)
-    return total, [float(x) for x in losses]
+    return total, [float(x.detach()) for x in losses]
 
 
 def train(model: Any, spec: TrainSpec, data: torch.Tensor, seed: int = SEED,
