@@ -151,8 +151,18 @@ def test_patching_before_import_patches_modules_as_they_load() -> None:
 
 
 def test_clip_text_model_and_with_projection_are_different_entries(
-        daemon: Client, patched: None, text_encoder_dir: Path) -> None:
-    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+        daemon: Client, patched: None, tmp_path: Path) -> None:
+    import torch
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    # A checkpoint with the projection: neither load draws random numbers (a load that
+    # initialises a missing projection at random is not cached, so seeds keep working).
+    torch.manual_seed(0)
+    config = CLIPTextConfig(vocab_size=1000, hidden_size=32, intermediate_size=37,
+                            num_hidden_layers=2, num_attention_heads=4, projection_dim=16)
+    text_encoder_dir = tmp_path / "text_encoder"
+    with overmind_lab.bypass():
+        CLIPTextModelWithProjection(config).save_pretrained(text_encoder_dir)
 
     with overmind_lab.record_loads() as cold:
         a = CLIPTextModel.from_pretrained(text_encoder_dir)

@@ -47,7 +47,10 @@ def test_the_panel_shows_every_entry_and_the_memory(panel: OvermindPanel,
     unet = next(e for e in entries if e["name"].startswith("UNet2DConditionModel"))
     row = panel.row(unet["key"])
     assert row.name.value == f'<span title="{unet["key"]}">{html.escape(unet["name"])}</span>'
-    assert row.cells[0].value == format_bytes(unet["bytes"])
+    size = format_bytes(unet["bytes"])
+    if unet.get("shared_bytes"):  # source files referenced by hard link (file tier)
+        size += f" (+{format_bytes(unet['shared_bytes'])} shared)"
+    assert row.cells[0].value == size
     assert row.cells[1].value == "0"  # hits
     assert row.cells[3].value == "-"  # no warm load yet
     assert f"<b>{format_bytes(status['cached_bytes'])}</b> cached of " in panel.header.value
