@@ -15,11 +15,31 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import cast
 
+from overmind_lab._common.messages import (
+    EntryJson,
+    EvictReply,
+    HitReply,
+    LinkReply,
+    ListReply,
+    Op,
+    RefreshReply,
+    ReportRequest,
+    Request,
+    ReserveReply,
+    SourceRecord,
+    Status,
+    StatusReply,
+    StopReply,
+    StoreReply,
+    StoreRequest,
+    WireEntry,
+)
 from overmind_lab._common.naming import SOCKET_ENV, socket_path
-from overmind_lab._common.protocol import Channel
+from overmind_lab._common.protocol import Channel, Frame
 from overmind_lab._errors import (
     DaemonUnavailable,
     ErrorKind,
@@ -82,8 +102,9 @@ class Client:
             raise DaemonUnavailable(f"cannot connect to {self.path}: {exc}") from exc
         return Channel(sock, self.timeout)
 
-    def request(self, op: str, *, start: bool = False, **fields: Any) -> dict[str, Any]:
-        """Send one request and return its reply; raises on ``ok: false``."""
+    def request(self, op: Op, *, start: bool = False, **fields: object) -> Frame:
+        """Send one request and return its reply (``_common.messages`` says which);
+        raises on ``ok: false``."""
         chan = self.connect(start=start)
         try:
             return call(chan, {"op": op, **fields})[0]
@@ -123,40 +144,36 @@ class Client:
             os.close(lock_fd)
 
     # -- management API -----------------------------------------------------------------
-    def status(self) -> dict[str, Any]:
+    def status(self) -> Status:
         """Daemon status; ``{"running": False, ...}`` when no daemon runs (never raises)."""
         try:
-            reply = self.request("status")
+            return _status(cast(StatusReply, self.request("status")))
         except (DaemonUnavailable, ProtocolError) as exc:
             return {"running": False, "socket": str(self.path), "error": str(exc)}
-        reply.pop("ok", None)
-        return reply
 
-    def entries(self) -> list[dict[str, Any]]:
+    def entries(self) -> list[EntryJson]:
         """Every cache entry with its statistics, most recently used first."""
-        return list(self.request("list")["entries"])
+        return list(cast(ListReply, self.request("list"))["entries"])
 
     def evict(self, key: str) -> list[str]:
         """Evict the entry with this key (or unique key prefix, or exact name)."""
-        return list(self.request("evict", key=key)["evicted"])
+        return list(cast(EvictReply, self.request("evict", key=key))["evicted"])
 
     def evict_all(self) -> list[str]:
-        return list(self.request("evict_all")["evicted"])
+        return list(cast(EvictReply, self.request("evict_all"))["evicted"])
 
-    def refresh(self, key: str) -> dict[str, Any]:
+    def refresh(self, key: str) -> EntryJson:
         """Reload the entry from its source in the background; returns the entry."""
-        return dict(self.request("refresh", key=key)["entry"])
+        return cast(RefreshReply, self.request("refresh", key=key))["entry"].copy()
 
-    def start(self) -> dict[str, Any]:
+    def start(self) -> Status:
         """Start the daemon if it is not running; returns its status."""
-        reply = self.request("status", start=True)
-        reply.pop("ok", None)
-        return reply
+        return _status(cast(StatusReply, self.request("status", start=True)))
 
     def stop(self, timeout: float = 10.0) -> bool:
         """Stop the daemon; ``False`` if none was running."""
         try:
-            reply = self.request("stop")
+            reply = cast(StopReply, self.request("stop"))
         except DaemonUnavailable:
             return False
         pid = int(reply.get("pid", 0))
@@ -185,8 +202,9 @@ class Session:
         self.chan.close()
 
     def lookup(self, key: str, *, refresh: bool = False,
-               own: bool = False) -> tuple[dict[str, Any], list[int]]:
-        """``({"hit": True, "entry": ...}, fds)`` or ``({"lease": True}, [])``.
+               own: bool = False) -> tuple[WireEntry | None, list[int]]:
+        """A hit: ``(entry, fds)``, the fds of its segments in order. Or ``(None, [])``:
+        no entry, and this session holds the lease (it loads and stores the key).
 
         While another process loads the same key this waits (the daemon sends keep-alives)
         up to ``$OVERMIND_LAB_WAIT_TIMEOUT`` seconds (default 1800). ``own`` marks the
@@ -197,22 +215,39 @@ class Session:
         while True:
             reply, fds = _recv(self.chan)
             if not reply.get("wait"):
-                return reply, fds
+                if reply.get("hit"):
+                    return cast(HitReply, reply)["entry"], fds
+                return None, fds  # the lease
             if time.monotonic() > deadline:
                 raise DaemonUnavailable(f"gave up waiting for another process to load {key}")
 
-    def request(self, msg: dict[str, Any], fds: list[int] | None = None) -> dict[str, Any]:
-        return call(self.chan, msg, fds)[0]
+    def reserve(self, key: str, nbytes: int, refs: list[str]) -> tuple[ReserveReply, list[int]]:
+        """Make room for ``nbytes`` and a new segment; the reply brings its writable fd
+        (the caller owns it)."""
+        reply, fds = call(self.chan, {"op": "reserve", "key": key, "nbytes": nbytes,
+                                      "refs": refs})
+        return cast(ReserveReply, reply), fds
 
-    def call(self, msg: dict[str, Any],
-             fds: list[int] | None = None) -> tuple[dict[str, Any], list[int]]:
-        """A request whose reply carries descriptors (the caller owns them)."""
-        return call(self.chan, msg, fds)
+    def link(self, key: str, files: list[SourceRecord]) -> LinkReply:
+        return cast(LinkReply, self._request({"op": "link", "key": key, "files": files}))
+
+    def store(self, msg: StoreRequest) -> StoreReply:
+        return cast(StoreReply, self._request(msg))
+
+    def abandon(self, key: str) -> None:
+        """Release the lease without storing."""
+        self._request({"op": "abandon", "key": key})
+
+    def evict(self, key: str) -> None:
+        self._request({"op": "evict", "key": key})
+
+    def _request(self, msg: Request) -> Frame:
+        return call(self.chan, msg)[0]
 
     def report(self, key: str, seconds: float, *, verified: bool | None = None) -> None:
         """Tell the daemon how long a warm load took, and whether verify mode passed it
         (no reply)."""
-        msg: dict[str, Any] = {"op": "report", "key": key, "seconds": seconds}
+        msg: ReportRequest = {"op": "report", "key": key, "seconds": seconds}
         if verified is not None:
             msg["verified"] = verified
         try:
@@ -222,8 +257,9 @@ class Session:
 
 
 # -- helpers ----------------------------------------------------------------------------
-def call(chan: Channel, msg: dict[str, Any],
-         fds: list[int] | None = None) -> tuple[dict[str, Any], list[int]]:
+def call(chan: Channel, msg: Mapping[str, object],
+         fds: list[int] | None = None) -> tuple[Frame, list[int]]:
+    """Send a request, return the reply with its descriptors; raises on ``ok: false``."""
     try:
         chan.send(msg, fds or [])
     except OSError as exc:
@@ -236,7 +272,7 @@ def call(chan: Channel, msg: dict[str, Any],
     return _recv(chan)
 
 
-def _recv(chan: Channel) -> tuple[dict[str, Any], list[int]]:
+def _recv(chan: Channel) -> tuple[Frame, list[int]]:
     try:
         reply, fds = chan.recv()
     except TimeoutError as exc:
@@ -250,8 +286,9 @@ def _recv(chan: Channel) -> tuple[dict[str, Any], list[int]]:
     return reply, fds
 
 
-def _refusal(reply: dict[str, Any]) -> OvermindError:
-    """The exception for an ``{"ok": false}`` reply: the one place error kinds are decoded."""
+def _refusal(reply: Frame) -> OvermindError:
+    """The exception for an ``{"ok": false}`` reply (`ErrorReply`): the one place error
+    kinds are decoded."""
     raw = reply.get("kind", "")
     kind = ErrorKind.decode(raw)
     text = str(reply.get("error", "the daemon refused"))
@@ -260,6 +297,11 @@ def _refusal(reply: dict[str, Any]) -> OvermindError:
     if kind is ErrorKind.PERMISSION:
         return DaemonUnavailable(text)
     return ProtocolError(text, kind.value if kind is not None else str(raw))
+
+
+def _status(reply: StatusReply) -> Status:
+    """The Status JSON: a status reply without its ``ok``."""
+    return cast(Status, {k: v for k, v in reply.items() if k != "ok"})
 
 
 def _resolve(path: str | os.PathLike[str] | None) -> Path:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from overmind_lab._common.messages import ReplaySpec
 from overmind_lab._errors import NotCacheable
 
 __all__ = ["KeyInfo", "make_key", "key_of", "remember", "FORMAT_VERSION"]
@@ -52,7 +53,7 @@ class KeyInfo:
     name: str
     callable: str
     source: str | None
-    call: dict[str, Any] | None  # replay spec, None when the call cannot be replayed
+    call: ReplaySpec | None  # None when the call cannot be replayed
     #: what a restarted daemon checks before it serves the entry again: the source
     #: signature (local sources), the library versions and the interpreter
     validate: dict[str, Any] | None = None
@@ -431,7 +432,7 @@ def describe(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
 # Note [Replay]: a refresh re-runs the recorded call in a fresh interpreter. Only calls
 # whose arguments survive a JSON round trip (plus dtypes) can be replayed.
 def _replay_spec(import_path: str, args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> dict[str, Any] | None:
+                 kwargs: dict[str, Any]) -> ReplaySpec | None:
     if "<" in import_path:
         return None
     try:

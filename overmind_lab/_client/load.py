@@ -26,7 +26,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar, cast
 
 from overmind_lab._client import keys as _keys
 from overmind_lab._client import observe
@@ -34,7 +34,14 @@ from overmind_lab._client.client import Client, Session
 from overmind_lab._client.pickling import WritePlan, dump, load_stream
 from overmind_lab._client.segments import map_segment, write_segment
 from overmind_lab._client.sources import SourceFile, SourceMap
-from overmind_lab._errors import NotCacheable, OvermindError, OvermindWarning, VerifyMismatch
+from overmind_lab._common.messages import WireEntry
+from overmind_lab._errors import (
+    ErrorKind,
+    NotCacheable,
+    OvermindError,
+    OvermindWarning,
+    VerifyMismatch,
+)
 
 __all__ = ["load", "bypass", "refreshing", "verifying", "set_verify", "record_loads",
            "LoadEvent", "key_of"]
@@ -43,6 +50,16 @@ VERIFY_ENV = "OVERMIND_LAB_VERIFY"
 
 T = TypeVar("T")
 key_of = _keys.key_of
+
+
+class Meta(TypedDict):
+    """An entry's ``meta``: how to rebuild the result from its segments. The daemon keeps
+    it without looking into it (a ``JsonObject`` on the wire); only this module reads it."""
+
+    stream: list[int]  # segment index, offset and length of the pickle stream
+    pickler: str  # "pickle" or "dill"
+    buffers: list[tuple[int, int, int]]  # out-of-band buffers (lists once through JSON)
+    observed: dict[str, Any]  # warnings and log records to replay (observe.Observed)
 
 
 @dataclass
@@ -221,14 +238,14 @@ def _load_with(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
                kwargs: dict[str, Any], info: _keys.KeyInfo, start: float) -> T:
     unavailable: BaseException | None = None
     try:
-        reply, fds = session.lookup(info.key, refresh=bool(_state.refresh))
+        entry, fds = session.lookup(info.key, refresh=bool(_state.refresh))
     except (OvermindError, OSError) as exc:
         unavailable = exc
     if unavailable is not None:
         return _fallback(fn, args, kwargs, info, start, unavailable)
     components = _components(args, kwargs)
-    if reply.get("hit"):
-        return _hit(session, fn, args, kwargs, info, start, reply, fds, components)
+    if entry is not None:
+        return _hit(session, fn, args, kwargs, info, start, entry, fds, components)
     # We hold the lease: load it here, then park it. An exception from fn propagates
     # unchanged; closing the session releases the lease for the next waiter.
     rng_before = observe.snapshot()
@@ -271,12 +288,12 @@ def _load_with(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
 
 
 def _hit(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
-         kwargs: dict[str, Any], info: _keys.KeyInfo, start: float, reply: dict[str, Any],
+         kwargs: dict[str, Any], info: _keys.KeyInfo, start: float, entry: WireEntry,
          fds: list[int], components: dict[str, Any]) -> T:
     rng_before = observe.snapshot() if _verify_on() else None
     rebuild_error: BaseException | None = None
     try:
-        obj = _rebuild(reply["entry"], fds, components)
+        obj = _rebuild(entry, fds, components)
     except Exception as exc:  # noqa: BLE001 - any rebuild failure means: load it
         rebuild_error = exc
     if rebuild_error is not None:
@@ -286,7 +303,7 @@ def _hit(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
         _emit(LoadEvent(info.key, info.name, "uncached", time.perf_counter() - start,
                         reason=f"rebuild failed: {rebuild_error}"))
         return result
-    observed = observe.Observed.from_json(reply["entry"]["meta"].get("observed"))
+    observed = observe.Observed.from_json(entry["meta"].get("observed"))
     observe.replay(observed)
     seconds = time.perf_counter() - start
     verified: bool | None = None
@@ -298,13 +315,13 @@ def _hit(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
                           f"in {mismatch}; returning the plain result and dropping the "
                           "entry", VerifyMismatch, stacklevel=4)
             with contextlib.suppress(OvermindError, OSError):
-                session.request({"op": "evict", "key": info.key})
+                session.evict(info.key)
             _emit(LoadEvent(info.key, info.name, "uncached", time.perf_counter() - start,
                             reason=f"verify: differs in {mismatch}", verified=False))
             return plain  # type: ignore[no-any-return]
     session.report(info.key, seconds, verified=verified)
     _emit(LoadEvent(info.key, info.name, "warm", seconds,
-                    cold_seconds=reply["entry"].get("cold_seconds"), verified=verified))
+                    cold_seconds=entry.get("cold_seconds"), verified=verified))
     return obj  # type: ignore[no-any-return]
 
 
@@ -352,17 +369,16 @@ def _store(session: Session, info: _keys.KeyInfo, result: Any, cold: float,
             refused = frozenset(f.path for f in plan.files if f.path not in linked)
             stream, plan, kind = dump(result, by_id, sources=SourceMap(), exclude=refused)
     except ProtocolError:
-        session.request({"op": "abandon", "key": info.key})
+        session.abandon(info.key)
         raise
     stream_offset = plan.place(stream, len(stream))
     refs = [linked[r.path] if isinstance(r, SourceFile) else r.segment_id
             for r in plan.refs]
     try:
-        reply, fds = session.call({"op": "reserve", "key": info.key, "nbytes": plan.size,
-                                   "refs": refs})
+        reserved, fds = session.reserve(info.key, plan.size, refs)
     except ProtocolError as exc:
-        session.request({"op": "abandon", "key": info.key})
-        if exc.kind in ("too_large", "stale_reference"):
+        session.abandon(info.key)
+        if exc.kind in (ErrorKind.TOO_LARGE, ErrorKind.STALE_REFERENCE):
             raise NotCacheable(str(exc)) from exc
         raise
     if len(fds) != 1:
@@ -375,25 +391,25 @@ def _store(session: Session, info: _keys.KeyInfo, result: Any, cold: float,
     finally:
         os.close(fds[0])
     plan.items.clear()
-    meta = {"stream": [0, stream_offset, len(stream)], "pickler": kind,
-            "buffers": plan.buffers, "observed": observed.to_json()}
-    session.request({
+    meta: Meta = {"stream": [0, stream_offset, len(stream)], "pickler": kind,
+                  "buffers": plan.buffers, "observed": observed.to_json()}
+    session.store({
         "op": "store", "key": info.key, "name": info.name,
         "class": f"{type(result).__module__}.{type(result).__qualname__}",
-        "callable": info.callable, "source": info.source, "meta": meta,
-        "segments": [{"id": reply["segment"]["id"], "size": plan.size}], "refs": refs,
+        "callable": info.callable, "source": info.source, "meta": dict(meta),
+        "segments": [{"id": reserved["segment"]["id"], "size": plan.size}], "refs": refs,
         "tensors": plan.tensors, "cold_seconds": cold,
         "store_seconds": time.perf_counter() - t0, "call": info.call,
         "validate": info.validate,
     })
     # Rebuild from the segment, as every later process will: the loader's own copy can
     # be freed, and the result carries its provenance (Note [Provenance]).
-    reply, fds = session.lookup(info.key, own=True)
-    if not reply.get("hit"):
+    entry, fds = session.lookup(info.key, own=True)
+    if entry is None:
         raise OvermindError("the entry vanished right after it was stored")
-    obj = _rebuild(reply["entry"], fds, components)
+    obj = _rebuild(entry, fds, components)
     if type(obj) is not expected:  # Note [Classes by reference] makes this unreachable
-        session.request({"op": "evict", "key": info.key})
+        session.evict(info.key)
         raise NotCacheable(f"it came back from the cache as {type(obj)!r}, not {expected!r}")
     return obj
 
@@ -406,8 +422,7 @@ def _link_sources(session: Session, key: str, plan: WritePlan) -> dict[str, str]
     files = plan.files
     if not files:
         return {}
-    reply = session.request({"op": "link", "key": key,
-                             "files": [f.record() for f in files]})
+    reply = session.link(key, [f.record() for f in files])
     return {f.path: str(seg["id"]) for f, seg in zip(files, reply["links"], strict=True)
             if seg is not None}
 
@@ -437,7 +452,7 @@ def _trim_heap() -> None:
         pass
 
 
-def _rebuild(entry: dict[str, Any], fds: list[int], components: dict[str, Any]) -> Any:
+def _rebuild(entry: WireEntry, fds: list[int], components: dict[str, Any]) -> Any:
     segments = entry["segments"]
     if len(segments) != len(fds):
         for fd in fds:
@@ -454,12 +469,12 @@ def _rebuild(entry: dict[str, Any], fds: list[int], components: dict[str, Any]) 
             for rest in fds[i + 1:]:
                 os.close(rest)
             raise
-    meta = entry["meta"]
+    meta = cast(Meta, entry["meta"])  # our own record, as _store wrote it
     seg, offset, length = meta["stream"]
     stream = mappings[seg].view(offset, length)
     try:
         obj = load_stream(stream, meta["pickler"], mappings,
-                          [tuple(b) for b in meta.get("buffers", [])], components)
+                          [(a, b, c) for a, b, c in meta.get("buffers", [])], components)
     finally:
         stream.release()
     _keys.remember(obj, entry["key"])

@@ -14,6 +14,8 @@ import json
 import sys
 from typing import Any
 
+from overmind_lab._common.messages import RefreshJob, RefreshResult
+
 __all__ = ["worker"]
 
 
@@ -26,7 +28,7 @@ def _import_callable(path: str) -> Any:
 
 
 def worker() -> int:
-    request = json.load(sys.stdin)
+    request: RefreshJob = json.load(sys.stdin)
     call = request["call"]
     for p in reversed(call.get("sys_path", [])):
         if p not in sys.path:
@@ -41,15 +43,20 @@ def worker() -> int:
         with refreshing(), record_loads() as events:
             load(fn, *args, **kwargs)
     except Exception as exc:  # reported to the daemon, which shows it to the user
-        print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}))
+        _say({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
         return 1
     outcome = events[-1] if events else None
     if outcome is None or outcome.outcome != "cold":
         reason = outcome.reason if outcome else "nothing was loaded"
-        print(json.dumps({"ok": False, "error": f"the new version was not cached: {reason}"}))
+        _say({"ok": False, "error": f"the new version was not cached: {reason}"})
         return 1
-    print(json.dumps({"ok": True, "key": outcome.key, "seconds": outcome.seconds}))
+    _say({"ok": True, "key": outcome.key, "seconds": outcome.seconds})
     return 0
+
+
+def _say(result: RefreshResult) -> None:
+    """The last line of the output, which the daemon's ``Refresher`` reads."""
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

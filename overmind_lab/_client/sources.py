@@ -30,6 +30,8 @@ import os
 import stat
 from dataclasses import dataclass
 
+from overmind_lab._common.messages import SourceRecord
+
 __all__ = ["SourceFile", "SourceMap", "MIN_REFERENCE"]
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -50,7 +52,7 @@ class SourceFile:
     size: int
     mtime_ns: int
 
-    def record(self) -> dict[str, object]:
+    def record(self) -> SourceRecord:
         return {"path": self.path, "dev": self.dev, "ino": self.ino, "size": self.size,
                 "mtime_ns": self.mtime_ns}
 

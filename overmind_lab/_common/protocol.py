@@ -18,12 +18,11 @@ import json
 import os
 import socket
 import struct
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 from overmind_lab._errors import ProtocolError
 
-__all__ = ["Channel", "AsyncChannel", "MAX_FRAME", "MAX_FDS"]
+__all__ = ["Channel", "AsyncChannel", "Frame", "MAX_FRAME", "MAX_FDS"]
 
 _HEADER = struct.Struct(">I")
 MAX_FRAME = 64 * 1024 * 1024
@@ -31,10 +30,12 @@ MAX_FRAME = 64 * 1024 * 1024
 MAX_FDS = 250
 _RECV_CHUNK = 256 * 1024
 
-Message = dict[str, Any]
+#: A frame's JSON object as it arrives. Its shape is the peer's word: the daemon's messages
+#: are typed in ``messages``, and each side gives a frame its type where it reads it.
+Frame = dict[str, object]
 
 
-def encode(msg: Message, nfds: int) -> bytes:
+def encode(msg: Mapping[str, object], nfds: int) -> bytes:
     if nfds > MAX_FDS:
         raise ProtocolError(f"cannot send {nfds} file descriptors in one frame (max {MAX_FDS})")
     body = dict(msg)
@@ -57,7 +58,7 @@ class _FrameReader:
         self.buf += data
         self.fds.extend(fds)
 
-    def next_frame(self) -> tuple[Message, list[int]] | None:
+    def next_frame(self) -> tuple[Frame, list[int]] | None:
         if len(self.buf) < _HEADER.size:
             return None
         (length,) = _HEADER.unpack_from(self.buf)
@@ -77,7 +78,10 @@ class _FrameReader:
         if not isinstance(msg, dict):
             self.close_fds()
             raise ProtocolError("peer sent a frame that is not a JSON object")
-        nfds = int(msg.pop("nfds", 0))
+        nfds = msg.pop("nfds", 0)
+        if not isinstance(nfds, int):
+            self.close_fds()
+            raise ProtocolError(f"peer sent a frame with nfds {nfds!r}")
         if nfds > len(self.fds):
             self.close_fds()
             raise ProtocolError(f"frame announced {nfds} descriptors, {len(self.fds)} arrived")
@@ -108,7 +112,7 @@ class Channel:
     def settimeout(self, timeout: float) -> None:
         self.sock.settimeout(timeout)
 
-    def send(self, msg: Message, fds: Sequence[int] = ()) -> None:
+    def send(self, msg: Mapping[str, object], fds: Sequence[int] = ()) -> None:
         data = encode(msg, len(fds))
         if fds:
             sent = socket.send_fds(self.sock, [data], list(fds))
@@ -116,7 +120,7 @@ class Channel:
         if data:
             self.sock.sendall(data)
 
-    def recv(self) -> tuple[Message, list[int]]:
+    def recv(self) -> tuple[Frame, list[int]]:
         """The next frame and its descriptors. Raises ``ProtocolError`` on EOF."""
         while True:
             frame = self._reader.next_frame()
@@ -165,7 +169,7 @@ class AsyncChannel:
             else:
                 self._loop.remove_reader(fd)
 
-    async def send(self, msg: Message, fds: Sequence[int] = ()) -> None:
+    async def send(self, msg: Mapping[str, object], fds: Sequence[int] = ()) -> None:
         data = memoryview(encode(msg, len(fds)))
         pending_fds = list(fds)
         while data:
@@ -180,7 +184,7 @@ class AsyncChannel:
                 continue
             data = data[sent:]
 
-    async def recv(self) -> tuple[Message, list[int]] | None:
+    async def recv(self) -> tuple[Frame, list[int]] | None:
         """The next frame, or ``None`` at a clean end of stream."""
         while True:
             frame = self._reader.next_frame()

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from overmind_lab._common.messages import EntryJson, Status
 from overmind_lab._common.sizes import format_size
 
 __all__ = [
@@ -161,13 +162,13 @@ ENTRY_HEADERS = ("name", "size", "shared", "hits", "cold", "warm", "speedup", "h
                   "last used")
 
 
-def _hits(entry: dict[str, Any]) -> str:
+def _hits(entry: EntryJson) -> str:
     """``"5"``, or ``"5 (3 verified)"`` when verify mode compared some of them."""
     hits, verified = entry.get("hits", 0), entry.get("verified", 0)
     return f"{hits} ({verified} verified)" if verified else str(hits)
 
 
-def entry_row(entry: dict[str, Any], now: float | None = None) -> list[str]:
+def entry_row(entry: EntryJson, now: float | None = None) -> list[str]:
     """The cells of one entry (daemon ``list`` JSON) in `ENTRY_HEADERS` order."""
     warm = entry.get("warm_seconds") or []
     last_warm = warm[-1] if warm else None
@@ -185,7 +186,7 @@ def entry_row(entry: dict[str, Any], now: float | None = None) -> list[str]:
     ]
 
 
-def status_line(status: dict[str, Any]) -> str:
+def status_line(status: Status) -> str:
     """``daemon pid 8824 on /run/...sock: 5 entries, 27.5 MiB of 11.8 GiB ...``."""
     if not status.get("running"):
         error = status.get("error")
@@ -208,7 +209,7 @@ class StatusReport:
     ``%overmind_status`` returns one; ``.status`` and ``.entries`` are the daemon's JSON.
     """
 
-    def __init__(self, status: dict[str, Any], entries: list[dict[str, Any]]) -> None:
+    def __init__(self, status: Status, entries: list[EntryJson]) -> None:
         self.status = status
         self.entries = entries
 

@@ -32,6 +32,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from overmind_lab._common.messages import EntryJson
 from overmind_lab._jupyter.display import StatusReport, describe_load, status_line
 
 __all__ = ["OvermindMagics", "load_ipython_extension", "unload_ipython_extension"]
@@ -148,7 +149,7 @@ class OvermindMagics(Magics):
 
         client = overmind_lab.Client()
         status = client.status()
-        entries: list[dict[str, Any]] = []
+        entries: list[EntryJson] = []
         if status.get("running"):
             try:
                 entries = client.entries()

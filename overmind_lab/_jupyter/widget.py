@@ -18,7 +18,7 @@ import html
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 try:
     import ipywidgets as w
@@ -27,6 +27,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "overmind_lab.widget() needs ipywidgets: pip install 'overmind-lab[jupyter]'"
     ) from exc
 
+from overmind_lab._common.messages import EntryJson, Status
 from overmind_lab._errors import OvermindError, UnknownEntry
 from overmind_lab._jupyter.display import (
     format_ago,
@@ -36,13 +37,16 @@ from overmind_lab._jupyter.display import (
     status_line,
 )
 
+if TYPE_CHECKING:
+    from overmind_lab._client.client import Client
+
 __all__ = ["OvermindPanel", "widget"]
 
 _COLUMNS = ("name", "size", "hits", "cold", "warm", "holders", "state", "")
 _GRID = "minmax(16em, 3fr) repeat(6, minmax(5em, 1fr)) 11em"
 
 
-def widget(*, interval: float | None = 2.0, client: Any = None) -> OvermindPanel:
+def widget(*, interval: float | None = 2.0, client: Client | None = None) -> OvermindPanel:
     """An ipywidgets panel that shows and manages the cache.
 
     ``interval``: seconds between polls of the daemon (``None``: only on demand, with
@@ -73,13 +77,13 @@ class _Row:
         self.evict.on_click(lambda _b: on_evict(self.key))
         self.reload.on_click(lambda _b: on_refresh(self.key))
         self.buttons = w.HBox([self.evict, self.reload])
-        self.entry: dict[str, Any] = {}
+        self.entry: EntryJson | None = None
 
     @property
     def children(self) -> list[w.Widget]:
         return [self.name, *self.cells, self.buttons]
 
-    def update(self, entry: dict[str, Any], now: float) -> None:
+    def update(self, entry: EntryJson, now: float) -> None:
         self.entry = entry
         name = str(entry.get("name") or entry.get("key"))
         self.name.value = (
@@ -118,7 +122,7 @@ class _Row:
 class OvermindPanel(w.VBox):  # type: ignore[misc]
     """The panel :func:`widget` returns: an ``ipywidgets.VBox`` that polls the daemon."""
 
-    def __init__(self, *, client: Any = None, interval: float | None = 2.0) -> None:
+    def __init__(self, *, client: Client | None = None, interval: float | None = 2.0) -> None:
         if client is None:
             from overmind_lab._client.client import Client
 
@@ -157,8 +161,8 @@ class OvermindPanel(w.VBox):  # type: ignore[misc]
     def poll(self) -> None:
         """Ask the daemon for its status and entries now and update the panel."""
         with self._lock:
-            status = self.client.status()
-            entries: list[dict[str, Any]] = []
+            status: Status = self.client.status()
+            entries: list[EntryJson] = []
             if status.get("running"):
                 try:
                     entries = self.client.entries()
@@ -168,15 +172,15 @@ class OvermindPanel(w.VBox):  # type: ignore[misc]
             self._show_entries(entries)
 
     @property
-    def entries(self) -> list[dict[str, Any]]:
+    def entries(self) -> list[EntryJson]:
         """The entries as last shown (daemon JSON), in display order."""
-        return [self._rows[k].entry for k in self._order]
+        return [e for e in (self._rows[k].entry for k in self._order) if e is not None]
 
     def row(self, key: str) -> _Row:
         """The row of one entry (tests and scripts can press its buttons)."""
         return self._rows[key]
 
-    def _show_status(self, status: dict[str, Any]) -> None:
+    def _show_status(self, status: Status) -> None:
         used = float(status.get("cached_bytes") or 0)
         budget = float(status.get("budget_bytes") or 0)
         line = html.escape(status_line(status))
@@ -194,7 +198,7 @@ class OvermindPanel(w.VBox):  # type: ignore[misc]
         self.usage.bar_style = "warning" if budget and used / budget > 0.9 else "info"
         self.evict_all_button.disabled = not status.get("running")
 
-    def _show_entries(self, entries: list[dict[str, Any]]) -> None:
+    def _show_entries(self, entries: list[EntryJson]) -> None:
         now = time.time()
         order = [str(e["key"]) for e in entries]
         for key in set(self._rows) - set(order):
@@ -216,7 +220,7 @@ class OvermindPanel(w.VBox):  # type: ignore[misc]
     # -- actions --------------------------------------------------------------------------
     def _on_evict(self, key: str) -> None:
         row = self._rows.get(key)
-        name = row.entry.get("name", key) if row is not None else key
+        name = row.entry["name"] if row is not None and row.entry is not None else key
 
         def run() -> None:
             self.client.evict(key)

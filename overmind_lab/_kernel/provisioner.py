@@ -67,7 +67,8 @@ class WarmKernel:
             msg, fds = self.chan.recv()
             for fd in fds:
                 os.close(fd)
-            return int(msg.get("exit", -1))
+            code = msg.get("exit", -1)
+            return code if isinstance(code, int) else -1
         except (OvermindError, OSError, ValueError):
             return -1  # the zygote died too: the status is lost
 
@@ -134,12 +135,17 @@ def request_fork(cmd: list[str], env: dict[str, str], cwd: str,
         for fd in fds:
             os.close(fd)
         sock.close()
-        reason = reply.get("reason") or reply.get("error") or "no reason given"
+        reason = str(reply.get("reason") or reply.get("error") or "no reason given")
         if "stale" in reason:
             spawn(paths, owners=[os.getpid()], env=env)
             reason += "; started a fresh zygote for the next launch"
         raise WarmUnavailable(f"the zygote refused to fork: {reason}")
-    return WarmKernel(int(reply["pid"]), fds[0], chan)
+    pid = reply.get("pid")
+    if not isinstance(pid, int):
+        os.close(fds[0])
+        sock.close()
+        raise WarmUnavailable(f"the zygote answered a fork without a pid: {reply!r}")
+    return WarmKernel(pid, fds[0], chan)
 
 
 class WarmProvisioner(LocalProvisioner):

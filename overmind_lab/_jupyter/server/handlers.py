@@ -43,6 +43,7 @@ from traitlets import Int, Unicode
 from traitlets.config import Configurable
 
 from overmind_lab._common.lookup import match_keys
+from overmind_lab._common.messages import EntryJson, Status
 from overmind_lab._common.sizes import available_memory, total_memory
 from overmind_lab._errors import DaemonUnavailable, OvermindError, UnknownEntry
 
@@ -98,7 +99,7 @@ class OvermindLab(Configurable):
         )
 
 
-def _with_memory(status: dict[str, Any]) -> dict[str, Any]:
+def _with_memory(status: Status) -> Status:
     # The daemon reports system memory itself; when it is down we read it here so the
     # sidebar's memory bar still has something true to show.
     if status.get("memory_total_bytes") is None:
@@ -108,9 +109,9 @@ def _with_memory(status: dict[str, Any]) -> dict[str, Any]:
     return status
 
 
-def _status(client: Client) -> dict[str, Any]:
+def _status(client: Client) -> Status:
     try:
-        status = dict(client.status())
+        status = client.status()
     except OvermindError as exc:
         # A daemon that answers garbage is reported, not turned into a 500.
         status = {"running": False, "socket": str(client.path), "error": str(exc)}
@@ -124,7 +125,7 @@ class _Handler(APIHandler):
     def overmind(self) -> OvermindLab:
         return self.settings["overmind_lab"]  # type: ignore[no-any-return]
 
-    def reply(self, data: Any, status: int = 200) -> None:
+    def reply(self, data: object, status: int = 200) -> None:
         self.set_status(status)
         self.finish(json.dumps(data))
 
@@ -172,7 +173,7 @@ class EntriesHandler(_Handler):
             self.reply({"entries": entries})
 
 
-def _entries(client: Client) -> list[dict[str, Any]]:
+def _entries(client: Client) -> list[EntryJson]:
     try:
         return client.entries()
     except DaemonUnavailable:
@@ -229,7 +230,7 @@ class EvictAllHandler(_Handler):
 class StartDaemonHandler(_Handler):
     @web.authenticated
     async def post(self) -> None:
-        ok, status = await self.daemon(lambda c: _with_memory(dict(c.start())))
+        ok, status = await self.daemon(lambda c: _with_memory(c.start()))
         if ok:
             self.reply(status)
 

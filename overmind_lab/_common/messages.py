@@ -1,0 +1,332 @@
+"""The daemon's wire messages, typed: one request and one reply per operation.
+
+Both sides import these: the daemon (``_daemon.server``, ``_daemon.refresh``) builds the
+replies and reads the requests, the client (``_client.client``, ``_client.load``) does the
+reverse, and the Jupyter side shows what ``status`` and ``list`` return. A frame is a JSON
+object (``_common.protocol``); the types below say which object each operation sends.
+
+Operations (``Op``), each request with its ``"op"``:
+
+=============  ===================  ==============================================
+op             request              reply
+=============  ===================  ==============================================
+``hello``,     `StatusRequest`      `StatusReply`: ``ok`` + `Status`
+``status``
+``lookup``     `LookupRequest`      `HitReply` (+ segment fds), or `LeaseReply` (you
+                                    load it), after any number of `WaitReply` while
+                                    another process loads the key
+``reserve``    `ReserveRequest`     `ReserveReply` (+ one writable fd)
+``link``       `LinkRequest`        `LinkReply`
+``store``      `StoreRequest`       `StoreReply`
+``abandon``    `KeyRequest`         `OkReply`
+``report``     `ReportRequest`      none
+``list``       `OpRequest`          `ListReply`: ``entries``, each an `EntryJson`
+``evict``      `KeyRequest`         `EvictReply`
+``evict_all``  `OpRequest`          `EvictReply`
+``refresh``    `KeyRequest`         `RefreshReply`: the `EntryJson`
+``stop``       `OpRequest`          `StopReply`
+=============  ===================  ==============================================
+
+Any operation may be refused instead: `ErrorReply` (``ok: false``, an ``ErrorKind`` value
+as ``kind``, a sentence as ``error``).
+
+Three values are JSON the daemon never looks into, typed `JsonObject` on purpose: an
+entry's ``meta`` (how the client rebuilds the result: its own format, see
+``_client.load``), the ``validate`` record (what a restarted daemon compares, see
+``_daemon.persist``) and the arguments of a replayable call (`ReplaySpec`: whatever the
+user passed, JSON-encoded).
+
+The types describe what is sent, not a validation: a receiver converts each field it
+reads (``str()``, ``int()``), and a request that lacks a field it needs ends its
+connection, logged, as it always has.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, TypedDict, get_args
+
+__all__ = [
+    "Op", "OPS", "JsonObject",
+    "OpRequest", "StatusRequest", "KeyRequest", "LookupRequest", "ReserveRequest",
+    "SourceRecord", "LinkRequest", "SegmentSpec", "ReplaySpec", "StoreRequest",
+    "ReportRequest", "Request",
+    "OkReply", "ErrorReply", "Status", "StatusReply", "WireSegment", "WireEntry",
+    "HitReply", "LeaseReply", "WaitReply", "LookupReply", "NewSegment", "ReserveReply",
+    "LinkReply", "StoreReply", "RefreshState", "EntryJson", "ListReply", "EvictReply",
+    "RefreshReply", "StopReply", "Reply",
+    "RefreshJob", "RefreshResult",
+]
+
+#: The daemon's operations, as the ``"op"`` of a request.
+Op = Literal["hello", "status", "lookup", "reserve", "link", "store", "abandon", "report",
+             "list", "evict", "evict_all", "refresh", "stop"]
+OPS: tuple[Op, ...] = get_args(Op)
+
+#: A JSON object the daemon stores and hands back without looking into it.
+JsonObject = dict[str, object]
+
+
+# -- requests -----------------------------------------------------------------------------
+class OpRequest(TypedDict):
+    """A request with no fields: ``list``, ``evict_all``, ``stop``."""
+
+    op: Op
+
+
+class StatusRequest(TypedDict):
+    op: Literal["hello", "status"]
+
+
+class KeyRequest(TypedDict):
+    """``abandon``, ``evict``, ``refresh``: a key, a unique key prefix or an exact name
+    (``abandon``: the key itself)."""
+
+    op: Literal["abandon", "evict", "refresh"]
+    key: str
+
+
+class LookupRequest(TypedDict):
+    op: Literal["lookup"]
+    key: str
+    refresh: bool  # load it again even if cached (``refreshing()``)
+    own: bool  # the loader's read-back right after its store: not counted as a hit
+
+
+class ReserveRequest(TypedDict):
+    op: Literal["reserve"]
+    key: str
+    nbytes: int
+    refs: list[str]  # segment ids the new entry references (protected from eviction)
+
+
+class SourceRecord(TypedDict):
+    """A source file whose unchanged regions are storages of the result."""
+
+    path: str
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+
+
+class LinkRequest(TypedDict):
+    op: Literal["link"]
+    key: str
+    files: list[SourceRecord]
+
+
+class SegmentSpec(TypedDict):
+    id: str
+    size: int
+
+
+class ReplaySpec(TypedDict):
+    """How to re-run a cached call (``Note [Replay]`` in ``_client.keys``)."""
+
+    callable: str  # ``module:qualname``
+    args: list[object]  # JSON-encoded arguments (``_client.keys.revive`` decodes them)
+    kwargs: dict[str, object]
+    python: str  # the interpreter that stored the entry
+    sys_path: list[str]
+    cwd: str
+
+
+# ``class`` is a keyword: the functional form.
+StoreRequest = TypedDict("StoreRequest", {
+    "op": Literal["store"],
+    "key": str,
+    "name": str,  # for people: ``UNet2DConditionModel.from_pretrained('/m/unet')``
+    "class": str,  # qualified class of the result
+    "callable": str,
+    "source": str | None,
+    "meta": JsonObject,  # the client's own record of how to rebuild the result
+    "segments": list[SegmentSpec],  # the one segment ``reserve`` made, now written
+    "refs": list[str],  # segments of other entries or linked files it references
+    "tensors": int,
+    "cold_seconds": float,
+    "store_seconds": float,
+    "call": ReplaySpec | None,  # None: the call cannot be replayed
+    "validate": JsonObject | None,
+})
+
+
+class _ReportFields(TypedDict):
+    op: Literal["report"]
+    key: str
+    seconds: float  # how long the warm load took
+
+
+class ReportRequest(_ReportFields, total=False):
+    verified: bool  # verify mode compared the hit with a plain load
+
+
+Request = (OpRequest | StatusRequest | KeyRequest | LookupRequest | ReserveRequest
+           | LinkRequest | StoreRequest | ReportRequest)
+
+
+# -- replies ------------------------------------------------------------------------------
+class OkReply(TypedDict):
+    ok: Literal[True]
+
+
+class ErrorReply(TypedDict):
+    ok: Literal[False]
+    kind: str  # an ``ErrorKind`` value
+    error: str
+
+
+class _StatusFields(TypedDict):
+    running: bool
+    socket: str
+
+
+class Status(_StatusFields, total=False):
+    """The Status JSON (``docs/internals.md``). A running daemon sends every key but
+    ``error``; when none runs, ``Client.status()`` has ``running`` (false), ``socket`` and
+    ``error``, and the REST route adds the two memory keys."""
+
+    pid: int
+    version: str
+    started: float  # epoch seconds
+    uptime_seconds: float
+    budget_bytes: int
+    cached_bytes: int
+    tier: str  # "file" or "memfd"
+    tier_reason: str
+    cache_dir: str | None
+    disk_bytes: int
+    memfd_bytes: int
+    resident_bytes: int
+    unsaved: int
+    evicted_mapped_bytes: int
+    entries: int
+    memory_total_bytes: int | None
+    memory_available_bytes: int | None
+    error: str
+
+
+class StatusReply(Status, OkReply):
+    pass
+
+
+class WireSegment(TypedDict):
+    id: str
+    size: int
+
+
+class WireEntry(TypedDict):
+    """What a hit needs to rebuild the result (its segments come as fds, in order)."""
+
+    key: str
+    name: str
+    meta: JsonObject
+    segments: list[WireSegment]
+    cold_seconds: float
+
+
+class HitReply(OkReply):
+    hit: Literal[True]
+    entry: WireEntry
+
+
+class LeaseReply(OkReply):
+    lease: Literal[True]
+
+
+class WaitReply(OkReply):
+    wait: Literal[True]
+
+
+LookupReply = HitReply | LeaseReply | WaitReply
+
+
+class NewSegment(TypedDict):
+    id: str
+    size: int
+    tier: str  # "file" or "memfd"
+
+
+class ReserveReply(OkReply):
+    evicted: list[str]  # keys evicted to make room
+    segment: NewSegment
+
+
+class LinkReply(OkReply):
+    links: list[SegmentSpec | None]  # per file: its segment, or None (copy it instead)
+
+
+class StoreReply(OkReply):
+    key: str
+
+
+class _RefreshFields(TypedDict):
+    state: Literal["idle", "running", "done", "failed"]
+    message: str
+    started: float | None  # epoch seconds
+
+
+class RefreshState(_RefreshFields, total=False):
+    previous: str  # on the entry a refresh stored: the key of the entry it replaced
+
+
+# The Entry JSON (``docs/internals.md``): one cached result, as ``list`` gives it.
+EntryJson = TypedDict("EntryJson", {
+    "key": str,
+    "name": str,
+    "class": str,
+    "callable": str,
+    "source": str | None,
+    "bytes": int,  # own segments
+    "shared_bytes": int,  # referenced from other entries
+    "tensors": int,
+    "created": float,
+    "last_used": float,
+    "hits": int,
+    "verified": int,  # hits that verify mode found equal to a plain load
+    "cold_seconds": float,
+    "store_seconds": float,
+    "warm_seconds": list[float],  # recent warm loads, newest last
+    "holders": list[int],  # pids that map it now
+    "replayable": bool,
+    "refresh": RefreshState,
+    "resident_bytes": int,
+    "tier": list[str],
+})
+
+
+class ListReply(OkReply):
+    entries: list[EntryJson]  # most recently used first
+
+
+class EvictReply(OkReply):
+    evicted: list[str]
+
+
+class RefreshReply(OkReply):
+    entry: EntryJson
+
+
+class StopReply(OkReply):
+    pid: int
+
+
+Reply = (OkReply | ErrorReply | StatusReply | HitReply | LeaseReply | WaitReply | ReserveReply
+         | LinkReply | StoreReply | ListReply | EvictReply | RefreshReply | StopReply)
+
+
+# -- the refresh worker (stdin / last line of stdout) ----------------------------------------
+class RefreshJob(TypedDict):
+    """What ``_daemon.refresh.Refresher`` sends a refresh worker on its stdin."""
+
+    key: str
+    call: ReplaySpec
+
+
+class RefreshResult(TypedDict, total=False):
+    """The worker's last line: ``{"ok": true, "key", "seconds"}`` or ``{"ok": false,
+    "error"}``."""
+
+    ok: bool
+    key: str | None
+    seconds: float
+    error: str
