@@ -45,6 +45,7 @@ class ErrorKind(str, enum.Enum):
     NO_LEASE = "no_lease"  # reserve/store without the lease from lookup
     STALE_REFERENCE = "stale_reference"  # a referenced segment was evicted meanwhile
     TOO_LARGE = "too_large"  # the entry does not fit the budget
+    STORE_FAILED = "store_failed"  # the daemon could not create a segment (disk, fds)
 
     @classmethod
     def decode(cls, value: object) -> ErrorKind | None:

@@ -21,9 +21,9 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from overmind_lab._common.lookup import match_keys
+from overmind_lab._common.messages import JsonObject, RefreshState, ReplaySpec
 from overmind_lab._daemon.store import Segment, footprint
 
 __all__ = ["Segment", "Entry", "Index", "TooLarge", "WARM_HISTORY"]
@@ -35,6 +35,9 @@ class TooLarge(Exception):
     """An entry does not fit the budget even after evicting everything evictable."""
 
 
+_IDLE: RefreshState = {"state": "idle", "message": "", "started": None}
+
+
 @dataclass
 class Entry:
     key: str
@@ -44,21 +47,19 @@ class Entry:
     source: str | None
     own: list[str]
     shared: list[str]
-    meta: dict[str, Any]
+    meta: JsonObject  # the client's, never looked into
     tensors: int
     cold_seconds: float
     store_seconds: float
-    call: dict[str, Any] | None = None
+    call: ReplaySpec | None = None
     #: what a restarted daemon checks: the source signature, library versions, python
-    validate: dict[str, Any] | None = None
+    validate: JsonObject | None = None
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
     hits: int = 0
     verified: int = 0  # hits that verify mode found equal to a plain load
     warm_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=WARM_HISTORY))
-    refresh: dict[str, Any] = field(
-        default_factory=lambda: {"state": "idle", "message": "", "started": None}
-    )
+    refresh: RefreshState = field(default_factory=lambda: _IDLE.copy())
 
     @property
     def segments(self) -> list[str]:

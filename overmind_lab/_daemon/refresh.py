@@ -20,8 +20,10 @@ import logging
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
+from overmind_lab._common.messages import EntryJson, RefreshJob, RefreshResult
 from overmind_lab._common.naming import SOCKET_ENV
 
 if TYPE_CHECKING:  # server.py imports this module's attach; only the types point back
@@ -57,7 +59,7 @@ class Refresher:
                 proc.kill()
         self.workers.clear()
 
-    def start(self, entry: Entry) -> dict[str, Any]:
+    def start(self, entry: Entry) -> EntryJson:
         """Start refreshing ``entry``; returns the entry as listed."""
         if entry.call is None:
             entry.refresh = {"state": "failed", "started": None,
@@ -74,13 +76,13 @@ class Refresher:
             task.add_done_callback(self._done(entry.key))
         return self._find(entry.key)
 
-    def _done(self, key: str) -> Any:
+    def _done(self, key: str) -> Callable[[asyncio.Task[None]], None]:
         def forget(_task: asyncio.Task[None]) -> None:
             self.tasks.pop(key, None)
 
         return forget
 
-    def _find(self, key: str) -> dict[str, Any]:
+    def _find(self, key: str) -> EntryJson:
         return next(e for e in self.daemon.list_entries() if e["key"] == key)
 
     async def _run(self, entry: Entry) -> None:
@@ -89,6 +91,7 @@ class Refresher:
         env = dict(os.environ)
         env[SOCKET_ENV] = str(self.daemon.path)
         env["PYTHONPATH"] = os.pathsep.join(call.get("sys_path", []))
+        job: RefreshJob = {"key": entry.key, "call": call}
         started = time.monotonic()
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -98,18 +101,19 @@ class Refresher:
             self.workers.add(proc)
             try:
                 out, err = await asyncio.wait_for(
-                    proc.communicate(json.dumps({"key": entry.key, "call": call}).encode()),
+                    proc.communicate(json.dumps(job).encode()),
                     REFRESH_TIMEOUT)
             finally:
                 self.workers.discard(proc)
         except (OSError, asyncio.TimeoutError) as exc:
-            entry.refresh.update(state="failed", message=f"could not run the refresh: {exc}")
+            entry.refresh.update({"state": "failed",
+                                  "message": f"could not run the refresh: {exc}"})
             return
         seconds = time.monotonic() - started
         result = _last_json(out)
         if proc.returncode != 0 or not result.get("ok"):
             detail = result.get("error") or err.decode(errors="replace").strip()[-500:]
-            entry.refresh.update(state="failed", message=f"refresh failed: {detail}")
+            entry.refresh.update({"state": "failed", "message": f"refresh failed: {detail}"})
             log.warning("refresh of %s failed: %s", entry.key[:12], detail)
             return
         new_key = str(result.get("key"))
@@ -127,12 +131,13 @@ class Refresher:
         log.info("refreshed %s -> %s in %.1f s", entry.key[:12], new_key[:12], seconds)
 
 
-def _last_json(out: bytes) -> dict[str, Any]:
+def _last_json(out: bytes) -> RefreshResult:
+    """The worker's result: the last line of its output that is a JSON object."""
     for line in reversed(out.decode(errors="replace").splitlines()):
         try:
             value = json.loads(line)
         except ValueError:
             continue
         if isinstance(value, dict):
-            return value
+            return cast(RefreshResult, value)  # what refresh_worker prints, by its word
     return {}

@@ -2,16 +2,19 @@
 
 It holds segments (that *is* the cache: read-only files in the cache directory, or sealed
 memfds, see ``store``), an index of entries saved beside them (``persist``), statistics
-and single-flight leases. It never imports torch or user code and never unpickles anything;
-it cannot be crashed by a model. Start it with ``overmind-lab serve`` or let the first
-client start it (``process``: lifetime lock, ``--detach``).
+and single-flight leases (``leases``). It never imports torch or user code and never
+unpickles anything; it cannot be crashed by a model. Start it with ``overmind-lab serve``
+or let the first client start it (``process``: lifetime lock, ``--detach``).
 
-Requests (JSON frames, see ``_protocol``), one connection may send several:
+A connection sends requests (JSON frames, ``_common.protocol``), one after the other; each
+is run by its entry in the operation table, ``OPERATIONS`` (at the end of this module),
+found by its ``op``. The messages of every operation are typed in ``_common.messages``:
 
-``status``                  -> status object
-``lookup {key, refresh?}``  -> ``{hit: true, entry}`` + segment fds, or ``{lease: true}``
+``status`` / ``hello``      -> the Status JSON
+``lookup {key, refresh, own}`` -> ``{hit: true, entry}`` + segment fds, or ``{lease: true}``
                                (you load it), after ``{wait: true}`` and keep-alives while
-                               another process loads the same key (single flight)
+                               another process loads the same key (single flight: Note
+                               [Single flight and takeover] in ``leases``); answers itself
 ``reserve {key, nbytes, refs}`` -> make room (LRU eviction) and a new segment: its id,
                                tier and a writable fd; or ``kind: too_large``
 ``link {key, files}``       -> hard-link source files whose regions the result's storages
@@ -21,7 +24,9 @@ Requests (JSON frames, see ``_protocol``), one connection may send several:
 ``abandon {key}``           -> release the lease without storing
 ``report {key, seconds}``   -> a warm load's time, for statistics (no reply)
 ``list``                    -> ``{entries: [...]}``
-``evict {key}`` / ``evict_all`` / ``refresh {key}`` / ``stop``
+``evict {key}`` / ``evict_all`` / ``refresh {key}`` / ``stop`` (ends the daemon)
+
+A refused request is answered ``{ok: false, kind, error}`` (``kind``: an ``ErrorKind``).
 """
 
 from __future__ import annotations
@@ -34,15 +39,37 @@ import signal
 import socket
 import struct
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NamedTuple, TypeVar, cast
 
 from overmind_lab import __version__
+from overmind_lab._common.messages import (
+    EntryJson,
+    ErrorReply,
+    HitReply,
+    KeyRequest,
+    LeaseReply,
+    LinkRequest,
+    LookupRequest,
+    OpRequest,
+    Reply,
+    ReportRequest,
+    ReserveRequest,
+    SegmentSpec,
+    Status,
+    StatusRequest,
+    StoreRequest,
+    WaitReply,
+    WireEntry,
+)
 from overmind_lab._common.naming import BUDGET_ENV
-from overmind_lab._common.protocol import AsyncChannel
+from overmind_lab._common.protocol import AsyncChannel, Frame
 from overmind_lab._common.sizes import available_memory, parse_size, total_memory
 from overmind_lab._daemon.holders import HolderScanner
 from overmind_lab._daemon.index import Entry, Index, Segment, TooLarge
+from overmind_lab._daemon.leases import Leases
 from overmind_lab._daemon.persist import restore, snapshot
 from overmind_lab._daemon.store import (
     Corrupt,
@@ -52,6 +79,7 @@ from overmind_lab._daemon.store import (
     new_segment_id,
     resident_bytes,
 )
+from overmind_lab._errors import ErrorKind
 
 if TYPE_CHECKING:
     from overmind_lab._daemon.refresh import Refresher
@@ -82,19 +110,13 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     return pid, uid, gid
 
 
-class _Lease:
-    def __init__(self, owner: object) -> None:
-        self.owner = owner
-        self.released = asyncio.Event()
-
-
 class Daemon:
     def __init__(self, path: Path, budget: int, cache_dir: Path | None = None) -> None:
         self.path = path
         self.store = Store(cache_dir)  # raises CacheDirRefused: refuse to start
         self.index = Index(budget, on_drop=self._drop)
         self.holders = HolderScanner(self.store.dir if self.store.persistent else None)
-        self.leases: dict[str, _Lease] = {}
+        self.leases = Leases(on_release=self._discard_reserved)
         self.pending: dict[str, Segment] = {}  # key -> segment reserved, being written
         self.pending_links: dict[str, list[Segment]] = {}  # key -> linked, not stored yet
         self.finishing: dict[str, Segment] = {}  # id -> segment being finished
@@ -157,112 +179,106 @@ class Daemon:
             task.add_done_callback(tasks.discard)
 
     async def _serve_client(self, sock: socket.socket) -> None:
-        chan = AsyncChannel(sock)
-        held: set[str] = set()
+        conn = Connection(AsyncChannel(sock))
         try:
             pid, uid, _ = peer_credentials(sock)
             if uid != os.getuid():
                 log.warning("refused a connection from uid %d (pid %d)", uid, pid)
-                await chan.send({"ok": False, "kind": "permission",
-                                 "error": f"the overmind-lab daemon of uid {os.getuid()} "
-                                          f"does not serve uid {uid}"})
+                await conn.chan.send(_refusal(_RequestError(
+                    ErrorKind.PERMISSION, f"the overmind-lab daemon of uid {os.getuid()} "
+                                          f"does not serve uid {uid}")))
                 return
             self.holders.saw(pid)
-            await self._conversation(chan, pid, held)
+            await self._conversation(conn)
         except (ConnectionError, asyncio.TimeoutError) as exc:
             log.info("connection from a client ended: %r", exc)
         except Exception:  # a bad request must never take the daemon down
             log.exception("error while serving a client")
         finally:
-            for key in held:
-                self._release(key)
-            chan.close()
+            self.leases.release_all(conn)  # Note [Single flight and takeover]
+            conn.chan.close()
 
-    async def _conversation(self, chan: AsyncChannel, pid: int, held: set[str]) -> None:
+    async def _conversation(self, conn: Connection) -> None:
         while True:
-            timeout = None if held else IDLE_TIMEOUT
-            frame = await asyncio.wait_for(chan.recv(), timeout)
+            timeout = None if self.leases.held_by(conn) else IDLE_TIMEOUT
+            frame = await asyncio.wait_for(conn.chan.recv(), timeout)
             if frame is None:
                 return
             msg, fds = frame
-            op = msg.get("op")
-            give: list[int] = []  # descriptors to close once sent
+            for fd in fds:  # no request carries descriptors to the daemon any more
+                os.close(fd)
+            name = msg.get("op")
+            operation = OPERATIONS.get(name) if isinstance(name, str) else None
             try:
-                for fd in fds:  # no request carries descriptors to the daemon any more
-                    os.close(fd)
-                if op == "store":
-                    reply, out_fds = self._store(msg, held), list[int]()
-                elif op == "reserve":
-                    reply, give = self._reserve(msg, held)
-                    out_fds = give
-                else:
-                    if op == "lookup":
-                        await self._lookup(chan, msg, held)
-                        continue
-                    if op == "report":
-                        self._report(msg)
-                        continue
-                    reply, out_fds = self._simple(op, msg, held, pid)
+                if operation is None:
+                    raise _RequestError(ErrorKind.BAD_REQUEST, f"unknown operation {name!r}")
+                answer = await operation.run(self, conn, msg)
             except _RequestError as exc:
-                reply, out_fds = {"ok": False, "kind": exc.kind, "error": str(exc)}, []
+                answer = Answer(_refusal(exc))
+            if answer is None:  # it answered for itself (lookup), or needs no answer
+                continue
             try:
-                await asyncio.wait_for(chan.send(reply, out_fds), SEND_TIMEOUT)
+                await asyncio.wait_for(conn.chan.send(answer.reply, answer.give),
+                                       SEND_TIMEOUT)
             finally:
-                for fd in give:
+                for fd in answer.give:
                     os.close(fd)
-            if op == "stop":
+            if operation is not None and operation.last:
                 self.stopping.set()
                 return
 
-    # -- requests ---------------------------------------------------------------------
-    def _simple(self, op: Any, msg: dict[str, Any], held: set[str],
-                pid: int) -> tuple[dict[str, Any], list[int]]:
-        if op in ("status", "hello"):
-            return {"ok": True, **self.status()}, []
-        if op == "list":
-            return {"ok": True, "entries": self.list_entries()}, []
-        if op == "link":
-            return self._link(msg, held), []
-        if op == "abandon":
-            key = str(msg.get("key"))
-            if key in held:
-                held.discard(key)
-                self._release(key)
-            self.index.unreserve(key)
-            return {"ok": True}, []
-        if op == "evict":
-            keys = self._resolve(str(msg.get("key", "")))
-            for key in keys:
-                self.index.evict(key)
-            self.holders.invalidate()
-            self.save_soon()
-            return {"ok": True, "evicted": keys}, []
-        if op == "evict_all":
-            keys = list(self.index.entries)
-            for key in keys:
-                self.index.evict(key)
-            self.save_soon()
-            return {"ok": True, "evicted": keys}, []
-        if op == "refresh":
-            keys = self._resolve(str(msg.get("key", "")))
-            if self.refresher is None:
-                raise _RequestError("unsupported", "this daemon cannot refresh entries")
-            entry = self.refresher.start(self.index.entries[keys[0]])
-            return {"ok": True, "entry": entry}, []
-        if op == "stop":
-            return {"ok": True, "pid": os.getpid()}, []
-        raise _RequestError("bad_request", f"unknown operation {op!r}")
+    # -- operations (the table: OPERATIONS, below the class) ----------------------------
+    def _status_op(self, conn: Connection, msg: StatusRequest) -> Answer:
+        return Answer({"ok": True, **self.status()})
+
+    def _list_op(self, conn: Connection, msg: OpRequest) -> Answer:
+        return Answer({"ok": True, "entries": self.list_entries()})
+
+    def _abandon(self, conn: Connection, msg: KeyRequest) -> Answer:
+        key = str(msg.get("key"))
+        if self.leases.holds(conn, key):
+            self.leases.release(key)
+        self.index.unreserve(key)
+        return Answer({"ok": True})
+
+    def _evict(self, conn: Connection, msg: KeyRequest) -> Answer:
+        keys = self._resolve(str(msg.get("key", "")))
+        for key in keys:
+            self.index.evict(key)
+        self.holders.invalidate()
+        self.save_soon()
+        return Answer({"ok": True, "evicted": keys})
+
+    def _evict_all(self, conn: Connection, msg: OpRequest) -> Answer:
+        keys = list(self.index.entries)
+        for key in keys:
+            self.index.evict(key)
+        self.save_soon()
+        return Answer({"ok": True, "evicted": keys})
+
+    def _refresh(self, conn: Connection, msg: KeyRequest) -> Answer:
+        keys = self._resolve(str(msg.get("key", "")))
+        if self.refresher is None:
+            raise _RequestError(ErrorKind.UNSUPPORTED, "this daemon cannot refresh entries")
+        entry = self.refresher.start(self.index.entries[keys[0]])
+        return Answer({"ok": True, "entry": entry})
+
+    def _stop(self, conn: Connection, msg: OpRequest) -> Answer:
+        return Answer({"ok": True, "pid": os.getpid()})
 
     def _resolve(self, key: str) -> list[str]:
         keys = self.index.resolve(key) if key else []
         if not keys:
-            raise _RequestError("unknown_entry", f"no cache entry matches {key!r}")
+            raise _RequestError(ErrorKind.UNKNOWN_ENTRY, f"no cache entry matches {key!r}")
         if len(keys) > 1:
-            raise _RequestError("unknown_entry",
+            raise _RequestError(ErrorKind.UNKNOWN_ENTRY,
                                 f"{key!r} matches {len(keys)} entries; give more of the key")
         return keys
 
-    async def _lookup(self, chan: AsyncChannel, msg: dict[str, Any], held: set[str]) -> None:
+    async def _lookup(self, conn: Connection, msg: LookupRequest) -> None:
+        """Answers for itself: a hit, a lease, or waits then one of those
+        (Note [Single flight and takeover])."""
+        chan = conn.chan
         key = str(msg["key"])
         refresh = bool(msg.get("refresh"))
         announced = False
@@ -274,52 +290,48 @@ class Daemon:
                 self.index.touch(key, hit=not msg.get("own"))
                 self.save_soon()
                 fds = [self.index.segments[s].fd for s in entry.segments]
-                await asyncio.wait_for(chan.send({"ok": True, "hit": True,
-                                                  "entry": self._wire_entry(entry)}, fds),
-                                       SEND_TIMEOUT)
+                hit: HitReply = {"ok": True, "hit": True, "entry": self._wire_entry(entry)}
+                await asyncio.wait_for(chan.send(hit, fds), SEND_TIMEOUT)
                 return
-            lease = self.leases.get(key)
-            if lease is None:
-                self.leases[key] = _Lease(chan)
-                held.add(key)
-                await asyncio.wait_for(chan.send({"ok": True, "lease": True}), SEND_TIMEOUT)
+            busy = self.leases.acquire(key, conn)
+            if busy is None:
+                lease: LeaseReply = {"ok": True, "lease": True}
+                await asyncio.wait_for(chan.send(lease), SEND_TIMEOUT)
                 return
+            wait: WaitReply = {"ok": True, "wait": True}
             if not announced:
-                await asyncio.wait_for(chan.send({"ok": True, "wait": True}), SEND_TIMEOUT)
+                await asyncio.wait_for(chan.send(wait), SEND_TIMEOUT)
                 announced = True
-            try:
-                await asyncio.wait_for(lease.released.wait(), KEEPALIVE_SECONDS)
+            if await busy.released(KEEPALIVE_SECONDS):
                 refresh = False  # whoever held the lease has just loaded it fresh
-            except asyncio.TimeoutError:
-                await asyncio.wait_for(chan.send({"ok": True, "wait": True}), SEND_TIMEOUT)
+            else:
+                await asyncio.wait_for(chan.send(wait), SEND_TIMEOUT)
 
-    def _release(self, key: str) -> None:
-        lease = self.leases.pop(key, None)
+    def _discard_reserved(self, key: str) -> None:
+        """A lease went: nothing the key reserved but did not store stays."""
         self.index.unreserve(key)
         seg = self.pending.pop(key, None)
         if seg is not None:  # reserved but never stored: nothing half-written stays
             self.store.discard(seg)
         for link in self.pending_links.pop(key, []):
             self.store.discard(link)
-        if lease is not None:
-            lease.released.set()
 
-    def _reserve(self, msg: dict[str, Any], held: set[str]) -> tuple[dict[str, Any], list[int]]:
+    def _reserve(self, conn: Connection, msg: ReserveRequest) -> Answer:
         key = str(msg["key"])
-        if key not in held:
-            raise _RequestError("no_lease", "reserve needs the lease from lookup")
+        if not self.leases.holds(conn, key):
+            raise _RequestError(ErrorKind.NO_LEASE, "reserve needs the lease from lookup")
         refs = set(msg.get("refs", []))
         protect = {k for k, e in self.index.entries.items() if refs & set(e.segments)}
         missing = refs - set(self.index.segments) - {
             s.id for s in self.pending_links.get(key, [])}
         if missing:
-            raise _RequestError("stale_reference",
+            raise _RequestError(ErrorKind.STALE_REFERENCE,
                                 f"referenced segments were evicted: {sorted(missing)}")
         nbytes = int(msg["nbytes"])
         try:
             evicted = self.index.reserve(key, file_bytes(nbytes), protect)
         except TooLarge as exc:
-            raise _RequestError("too_large", f"not cached: {exc}") from None
+            raise _RequestError(ErrorKind.TOO_LARGE, f"not cached: {exc}") from None
         if evicted:
             log.info("evicted %d entries to make room: %s", len(evicted), evicted)
             self.save_soon()
@@ -330,16 +342,18 @@ class Daemon:
             seg, writer = self.store.create(new_segment_id(), nbytes)
         except OSError as exc:
             self.index.unreserve(key)
-            raise _RequestError("store_failed", f"cannot create a segment: {exc}") from None
+            raise _RequestError(ErrorKind.STORE_FAILED,
+                                f"cannot create a segment: {exc}") from None
         self.pending[key] = seg
-        return {"ok": True, "evicted": evicted,
-                "segment": {"id": seg.id, "size": seg.size, "tier": seg.tier}}, [writer]
+        return Answer({"ok": True, "evicted": evicted,
+                       "segment": {"id": seg.id, "size": seg.size, "tier": seg.tier}},
+                      give=(writer,))
 
-    def _link(self, msg: dict[str, Any], held: set[str]) -> dict[str, Any]:
+    def _link(self, conn: Connection, msg: LinkRequest) -> Answer:
         key = str(msg["key"])
-        if key not in held:
-            raise _RequestError("no_lease", "link needs the lease from lookup")
-        links: list[dict[str, Any] | None] = []
+        if not self.leases.holds(conn, key):
+            raise _RequestError(ErrorKind.NO_LEASE, "link needs the lease from lookup")
+        links: list[SegmentSpec | None] = []
         for record in msg.get("files", []):
             seg, why = self.store.link(new_segment_id(), dict(record))
             if seg is None:
@@ -348,21 +362,22 @@ class Daemon:
                 continue
             self.pending_links.setdefault(key, []).append(seg)
             links.append({"id": seg.id, "size": seg.size})
-        return {"ok": True, "links": links}
+        return Answer({"ok": True, "links": links})
 
-    def _store(self, msg: dict[str, Any], held: set[str]) -> dict[str, Any]:
+    def _store(self, conn: Connection, msg: StoreRequest) -> Answer:
         key = str(msg["key"])
-        if key not in held:
-            raise _RequestError("no_lease", "store needs the lease from lookup")
+        if not self.leases.holds(conn, key):
+            raise _RequestError(ErrorKind.NO_LEASE, "store needs the lease from lookup")
         seg = self.pending.get(key)
         specs = msg.get("segments", [])
         if seg is None or specs != [{"id": seg.id, "size": seg.size}]:
-            raise _RequestError("bad_request", f"store names segments {specs!r}, reserve "
-                                               f"made {seg.record() if seg else 'none'}")
+            raise _RequestError(ErrorKind.BAD_REQUEST,
+                                f"store names segments {specs!r}, reserve "
+                                f"made {seg.record() if seg else 'none'}")
         try:
             self.store.commit(seg)
         except (Corrupt, OSError) as exc:
-            raise _RequestError("bad_request", str(exc)) from None
+            raise _RequestError(ErrorKind.BAD_REQUEST, str(exc)) from None
         del self.pending[key]
         linked = {s.id: s for s in self.pending_links.pop(key, [])}
         shared = [str(s) for s in msg.get("refs", [])]
@@ -373,7 +388,7 @@ class Daemon:
         if missing:
             for dead in new:
                 self.store.discard(dead)
-            raise _RequestError("stale_reference",
+            raise _RequestError(ErrorKind.STALE_REFERENCE,
                                 f"referenced segments were evicted meanwhile: {missing}")
         entry = Entry(
             key=key, name=str(msg.get("name", key)), cls=str(msg.get("class", "")),
@@ -386,17 +401,16 @@ class Daemon:
         )
         replaced = self.index.get(key)
         if replaced is not None:  # a refresh in progress goes on showing on the new entry
-            entry.refresh = dict(replaced.refresh)
+            entry.refresh = replaced.refresh.copy()
         self.index.unreserve(key)
         self.index.add(entry, new)
-        held.discard(key)
-        self._release(key)
+        self.leases.release(key)  # after index.add: Note [Single flight and takeover]
         self.holders.invalidate()
         log.info("stored %s (%s, %d bytes, %s)", key[:12], entry.name, seg.size, seg.tier)
         if seg.tier == "file":
             self.finishing[seg.id] = seg
             asyncio.ensure_future(self._finish(seg))
-        return {"ok": True, "key": key}
+        return Answer({"ok": True, "key": key})
 
     # -- the files: finishing, verifying, saving the index ------------------------------
     async def _finish(self, seg: Segment) -> None:
@@ -483,7 +497,8 @@ class Daemon:
             except OSError as exc:
                 log.warning("could not save the index: %s", exc)
 
-    def _report(self, msg: dict[str, Any]) -> None:
+    async def _report(self, conn: Connection, msg: ReportRequest) -> None:
+        """A warm load's time, for statistics; no answer."""
         entry = self.index.get(str(msg.get("key")))
         if entry is not None and isinstance(msg.get("seconds"), (int, float)):
             entry.warm_seconds.append(float(msg["seconds"]))
@@ -491,7 +506,7 @@ class Daemon:
             entry.verified += 1
 
     # -- views ------------------------------------------------------------------------
-    def _wire_entry(self, entry: Entry) -> dict[str, Any]:
+    def _wire_entry(self, entry: Entry) -> WireEntry:
         return {
             "key": entry.key, "name": entry.name, "meta": entry.meta,
             "segments": [{"id": s, "size": self.index.segments[s].size}
@@ -499,10 +514,11 @@ class Daemon:
             "cold_seconds": entry.cold_seconds,
         }
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> Status:
         mapped = self.holders.scan()
         for sid in [s for s in self.index.evicted if s not in mapped]:
             del self.index.evicted[sid]
+        disk, memory, resident = self._footprint()
         return {
             "running": True, "pid": os.getpid(), "socket": str(self.path),
             "version": __version__, "started": self.started,
@@ -510,7 +526,7 @@ class Daemon:
             "budget_bytes": self.index.budget, "cached_bytes": self.index.cached_bytes,
             "tier": self.store.tier, "tier_reason": self.store.reason,
             "cache_dir": str(self.store.dir) if self.store.dir else None,
-            **self._footprint(),
+            "disk_bytes": disk, "memfd_bytes": memory, "resident_bytes": resident,
             "unsaved": len(self.finishing) + len(self.verifying)
             + int(self._dirty or (self._saver is not None and not self._saver.done())),
             "evicted_mapped_bytes": sum(self.index.evicted.values()),
@@ -519,7 +535,8 @@ class Daemon:
             "memory_available_bytes": available_memory(),
         }
 
-    def _footprint(self) -> dict[str, int]:
+    def _footprint(self) -> tuple[int, int, int]:
+        """Bytes of segments on disk, in memfds, and resident in memory now."""
         disk = memory = resident = 0
         for seg in self.index.segments.values():
             if seg.tier in ("file", "link"):
@@ -527,11 +544,11 @@ class Daemon:
             else:
                 memory += footprint(seg)
             resident += resident_bytes(seg.fd, seg.size) or 0
-        return {"disk_bytes": disk, "memfd_bytes": memory, "resident_bytes": resident}
+        return disk, memory, resident
 
-    def list_entries(self) -> list[dict[str, Any]]:
+    def list_entries(self) -> list[EntryJson]:
         mapped = self.holders.scan()
-        out = []
+        out: list[EntryJson] = []
         for entry in reversed(self.index.entries.values()):  # most recently used first
             own, shared = self.index.entry_bytes(entry)
             holders: set[int] = set()
@@ -545,7 +562,7 @@ class Daemon:
                 "verified": entry.verified,
                 "cold_seconds": entry.cold_seconds, "store_seconds": entry.store_seconds,
                 "warm_seconds": list(entry.warm_seconds), "holders": sorted(holders),
-                "replayable": entry.call is not None, "refresh": dict(entry.refresh),
+                "replayable": entry.call is not None, "refresh": entry.refresh.copy(),
                 "resident_bytes": sum(resident_bytes(self.index.segments[s].fd,
                                                      self.index.segments[s].size) or 0
                                       for s in entry.own if s in self.index.segments),
@@ -556,6 +573,80 @@ class Daemon:
 
 
 class _RequestError(Exception):
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: ErrorKind, message: str) -> None:
         super().__init__(message)
         self.kind = kind
+
+
+def _refusal(exc: _RequestError) -> ErrorReply:
+    return {"ok": False, "kind": exc.kind.value, "error": str(exc)}
+
+
+class Connection:
+    """One client's connection: its channel, and the owner of the leases it takes."""
+
+    def __init__(self, chan: AsyncChannel) -> None:
+        self.chan = chan
+
+
+class Answer(NamedTuple):
+    """A reply to send, with descriptors handed over with it (closed once sent)."""
+
+    reply: Reply
+    give: tuple[int, ...] = ()
+
+
+R = TypeVar("R")  # the request type of one operation
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One entry of the operation table: how the daemon runs a request.
+
+    ``run`` returns the answer to send, or ``None`` when the operation answers for itself
+    (``lookup`` streams its replies) or is not answered (``report``). ``last``: the
+    connection ends after the answer, and so does the daemon (``stop``).
+    """
+
+    run: Callable[[Daemon, Connection, Frame], Awaitable[Answer | None]]
+    last: bool = False
+
+
+def _answers(handler: Callable[[Daemon, Connection, R], Answer], *,
+             last: bool = False) -> Operation:
+    """An operation answered with the one reply ``handler`` returns."""
+
+    async def run(daemon: Daemon, conn: Connection, frame: Frame) -> Answer:
+        # The frame is the request of this op; its fields are converted where they are
+        # read (see the docstring of ``_common.messages``).
+        return handler(daemon, conn, cast(R, frame))
+
+    return Operation(run, last)
+
+
+def _answers_itself(handler: Callable[[Daemon, Connection, R], Awaitable[None]]
+                    ) -> Operation:
+    """An operation that sends its own replies, or none."""
+
+    async def run(daemon: Daemon, conn: Connection, frame: Frame) -> None:
+        await handler(daemon, conn, cast(R, frame))
+
+    return Operation(run)
+
+
+#: The operations, by the ``op`` of a request (``_common.messages``).
+OPERATIONS: dict[str, Operation] = {
+    "hello": _answers(Daemon._status_op),
+    "status": _answers(Daemon._status_op),
+    "lookup": _answers_itself(Daemon._lookup),
+    "reserve": _answers(Daemon._reserve),
+    "link": _answers(Daemon._link),
+    "store": _answers(Daemon._store),
+    "abandon": _answers(Daemon._abandon),
+    "report": _answers_itself(Daemon._report),
+    "list": _answers(Daemon._list_op),
+    "evict": _answers(Daemon._evict),
+    "evict_all": _answers(Daemon._evict_all),
+    "refresh": _answers(Daemon._refresh),
+    "stop": _answers(Daemon._stop, last=True),
+}
