@@ -117,3 +117,12 @@ def test_resolve_by_key_prefix_or_name(index: Index) -> None:
     assert index.resolve("abd") == ["abd2"]
     assert index.resolve("name-abc1") == ["abc1"]
     assert index.resolve("zz") == []
+
+
+def test_the_warm_time_is_the_median_of_the_recent_warm_loads() -> None:
+    e = entry("a", [])
+    assert e.warm_median is None  # no warm load yet
+    e.warm_seconds.extend([0.3, 0.1, 0.2])
+    assert e.warm_median == 0.2
+    e.warm_seconds.append(9.0)  # one slow load moves the median little, unlike the last
+    assert e.warm_median == pytest.approx(0.25)

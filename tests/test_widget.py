@@ -12,7 +12,7 @@ from diffusers import UNet2DConditionModel
 
 import overmind_lab
 from overmind_lab import Client
-from overmind_lab._jupyter.display import format_bytes
+from overmind_lab._jupyter.display import entry_speedup, format_bytes, format_seconds
 from overmind_lab._jupyter.widget import OvermindPanel
 from tests import loaders
 
@@ -53,8 +53,10 @@ def test_the_panel_shows_every_entry_and_the_memory(panel: OvermindPanel,
     assert row.cells[0].value == size
     assert row.cells[1].value == "0"  # hits
     assert row.cells[3].value == "-"  # no warm load yet
-    assert f"<b>{format_bytes(status['cached_bytes'])}</b> cached of " in panel.header.value
-    assert f"{format_bytes(status['budget_bytes'])} budget" in panel.header.value
+    # the header is the status line (display.status_line), as the magics show it
+    assert panel.header.value.startswith(f"daemon pid {status['pid']} on ")
+    assert (f"{format_bytes(status['cached_bytes'])} cached of "
+            f"{format_bytes(status['budget_bytes'])} budget") in panel.header.value
     assert panel.usage.value == pytest.approx(status["cached_bytes"] / status["budget_bytes"])
     # header row + 8 cells per entry
     assert len(panel.grid.children) == 8 * (1 + len(entries))
@@ -68,6 +70,9 @@ def test_a_warm_load_shows_up_after_a_poll(panel: OvermindPanel, filled: Client,
     row = panel.row(unet["key"])
     assert row.cells[1].value == "1"
     assert row.cells[3].value != "-" and row.cells[3].value.endswith("x)")
+    # the median warm load and the speed-up over it, as the CLI and the sidebar show them
+    assert row.cells[3].value == (f"{format_seconds(unet['warm_median_seconds'])} "
+                                  f"({entry_speedup(unet)})")
 
 
 def test_evict_and_evict_all_buttons(panel: OvermindPanel, filled: Client) -> None:

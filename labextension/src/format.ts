@@ -88,20 +88,15 @@ export function formatAgo(epochSeconds: number, nowMs: number = Date.now()): str
   return `${Math.floor(ago / 86400)} d ago`;
 }
 
-/** Median of a list of numbers, or null for an empty list. */
-export function median(values: readonly number[]): number | null {
-  const finite = values.filter(v => Number.isFinite(v));
-  if (finite.length === 0) {
-    return null;
-  }
-  const sorted = [...finite].sort((a, b) => a - b);
-  const mid = Math.floor(sorted.length / 2);
-  return sorted.length % 2 ? sorted[mid] : (sorted[mid - 1] + sorted[mid]) / 2;
-}
-
-/** Cold load time over the median warm load time, or null before the first warm load. */
-export function speedup(entry: Pick<IEntry, 'cold_seconds' | 'warm_seconds'>): number | null {
-  const warm = median(entry.warm_seconds);
+/**
+ * Cold load time over the median warm load time, or null before the first warm load.
+ * The daemon computes the median (`warm_median_seconds`), so the CLI, the ipywidgets
+ * panel and this sidebar all show the same number.
+ */
+export function speedup(
+  entry: Pick<IEntry, 'cold_seconds' | 'warm_median_seconds'>
+): number | null {
+  const warm = entry.warm_median_seconds;
   const cold = entry.cold_seconds;
   if (warm === null || cold === null || !(warm > 0) || !(cold > 0)) {
     return null;
@@ -127,9 +122,11 @@ export interface ITimingBar {
 }
 
 /** Cold against median warm, scaled to the longer of the two. */
-export function timingBar(entry: Pick<IEntry, 'cold_seconds' | 'warm_seconds'>): ITimingBar {
+export function timingBar(
+  entry: Pick<IEntry, 'cold_seconds' | 'warm_median_seconds'>
+): ITimingBar {
   const cold = entry.cold_seconds !== null && entry.cold_seconds > 0 ? entry.cold_seconds : null;
-  const warm = median(entry.warm_seconds);
+  const warm = entry.warm_median_seconds;
   const longest = Math.max(cold ?? 0, warm ?? 0);
   const width = (s: number | null): number =>
     s === null || longest <= 0 ? 0 : Math.max(0.01, Math.min(1, s / longest));

@@ -43,6 +43,11 @@ export interface IEntry {
   store_seconds: number | null;
   /** Recent warm load times, newest last. */
   warm_seconds: number[];
+  /**
+   * Median of `warm_seconds`, or null before the first warm load: the warm time shown,
+   * and the speed-up is `cold_seconds` over it.
+   */
+  warm_median_seconds: number | null;
   /** Pids of the processes that map the entry now. */
   holders: number[];
   /** Whether the daemon can re-run the recorded call (refresh). */

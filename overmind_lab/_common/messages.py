@@ -286,6 +286,9 @@ EntryJson = TypedDict("EntryJson", {
     "cold_seconds": float,
     "store_seconds": float,
     "warm_seconds": list[float],  # recent warm loads, newest last
+    # the median of ``warm_seconds``, None before the first warm load: the warm time
+    # every view shows, and the speed-up is ``cold_seconds`` over it
+    "warm_median_seconds": float | None,
     "holders": list[int],  # pids that map it now
     "replayable": bool,
     "refresh": RefreshState,

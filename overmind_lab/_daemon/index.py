@@ -17,6 +17,7 @@ evicted but still held.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -64,6 +65,12 @@ class Entry:
     @property
     def segments(self) -> list[str]:
         return self.own + self.shared
+
+    @property
+    def warm_median(self) -> float | None:
+        """The median of the recent warm loads (``None`` before the first): the one warm
+        time every view shows, and the speed-up is ``cold_seconds`` over it."""
+        return statistics.median(self.warm_seconds) if self.warm_seconds else None
 
 
 class Index:

@@ -23,7 +23,7 @@ found by its ``op``. The messages of every operation are typed in ``_common.mess
                                the entry is cached, the lease released
 ``abandon {key}``           -> release the lease without storing
 ``report {key, seconds}``   -> a warm load's time, for statistics (no reply)
-``list``                    -> ``{entries: [...]}``
+``list``                    -> ``{entries: [...]}``, each with its ``warm_median_seconds``
 ``evict {key}`` / ``evict_all`` / ``refresh {key}`` / ``stop`` (ends the daemon)
 
 A refused request is answered ``{ok: false, kind, error}`` (``kind``: an ``ErrorKind``).
@@ -561,7 +561,8 @@ class Daemon:
                 "last_used": entry.last_used, "hits": entry.hits,
                 "verified": entry.verified,
                 "cold_seconds": entry.cold_seconds, "store_seconds": entry.store_seconds,
-                "warm_seconds": list(entry.warm_seconds), "holders": sorted(holders),
+                "warm_seconds": list(entry.warm_seconds),
+                "warm_median_seconds": entry.warm_median, "holders": sorted(holders),
                 "replayable": entry.call is not None, "refresh": entry.refresh.copy(),
                 "resident_bytes": sum(resident_bytes(self.index.segments[s].fd,
                                                      self.index.segments[s].size) or 0

@@ -19,6 +19,7 @@ __all__ = [
     "StatusReport",
     "describe_load",
     "entry_row",
+    "entry_speedup",
     "format_ago",
     "format_bytes",
     "format_seconds",
@@ -59,6 +60,12 @@ def format_speedup(cold: float | None, warm: float | None) -> str:
         return ""
     ratio = cold / warm
     return f"{ratio:.0f}x" if ratio >= 10 else f"{ratio:.1f}x"
+
+
+def entry_speedup(entry: EntryJson) -> str:
+    """An entry's speed-up, ``'41x'``: its cold load time over the median of its recent
+    warm loads (``warm_median_seconds``, from the daemon); ``''`` before a warm load."""
+    return format_speedup(entry.get("cold_seconds"), entry.get("warm_median_seconds"))
 
 
 def format_ago(epoch: float | None, now: float | None = None) -> str:
@@ -169,9 +176,8 @@ def _hits(entry: EntryJson) -> str:
 
 
 def entry_row(entry: EntryJson, now: float | None = None) -> list[str]:
-    """The cells of one entry (daemon ``list`` JSON) in `ENTRY_HEADERS` order."""
-    warm = entry.get("warm_seconds") or []
-    last_warm = warm[-1] if warm else None
+    """The cells of one entry (daemon ``list`` JSON) in `ENTRY_HEADERS` order; "warm" is
+    the median of the recent warm loads."""
     holders = entry.get("holders") or []
     return [
         str(entry.get("name", entry.get("key", "?"))),
@@ -179,15 +185,19 @@ def entry_row(entry: EntryJson, now: float | None = None) -> list[str]:
         format_bytes(entry.get("shared_bytes")) if entry.get("shared_bytes") else "-",
         _hits(entry),
         format_seconds(entry.get("cold_seconds")),
-        format_seconds(last_warm),
-        format_speedup(entry.get("cold_seconds"), last_warm) or "-",
+        format_seconds(entry.get("warm_median_seconds")),
+        entry_speedup(entry) or "-",
         ", ".join(str(p) for p in holders) if holders else "-",
         format_ago(entry.get("last_used"), now),
     ]
 
 
 def status_line(status: Status) -> str:
-    """``daemon pid 8824 on /run/...sock: 5 entries, 27.5 MiB of 11.8 GiB ...``."""
+    """``daemon pid 8824 on /run/...sock: 5 entries, 27.5 MiB of 11.8 GiB ...``.
+
+    The one rendering of a status as a line: the magics, the widget's header and the
+    ``%overmind_status`` report all show this.
+    """
     if not status.get("running"):
         error = status.get("error")
         return (

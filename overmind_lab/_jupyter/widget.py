@@ -30,10 +30,10 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from overmind_lab._common.messages import EntryJson, Status
 from overmind_lab._errors import OvermindError, UnknownEntry
 from overmind_lab._jupyter.display import (
+    entry_speedup,
     format_ago,
     format_bytes,
     format_seconds,
-    format_speedup,
     status_line,
 )
 
@@ -89,9 +89,7 @@ class _Row:
         self.name.value = (
             f'<span title="{html.escape(str(entry.get("key")))}">{html.escape(name)}</span>'
         )
-        warm = entry.get("warm_seconds") or []
-        last = warm[-1] if warm else None
-        speedup = format_speedup(entry.get("cold_seconds"), last)
+        speedup = entry_speedup(entry)
         holders = entry.get("holders") or []
         size = format_bytes(entry.get("bytes"))
         if entry.get("shared_bytes"):
@@ -103,7 +101,8 @@ class _Row:
             size,
             str(entry.get("hits", 0)),
             format_seconds(entry.get("cold_seconds")),
-            format_seconds(last) + (f" ({speedup})" if speedup else ""),
+            format_seconds(entry.get("warm_median_seconds"))
+            + (f" ({speedup})" if speedup else ""),
             ", ".join(str(p) for p in holders) if holders else "-",
             state or f"used {format_ago(entry.get('last_used'), now)}",
         ]
@@ -184,14 +183,6 @@ class OvermindPanel(w.VBox):  # type: ignore[misc]
         used = float(status.get("cached_bytes") or 0)
         budget = float(status.get("budget_bytes") or 0)
         line = html.escape(status_line(status))
-        if status.get("running"):
-            line = (
-                f"<b>{format_bytes(used)}</b> cached of {format_bytes(budget)} budget"
-                f" &middot; {format_bytes(status.get('memory_available_bytes'))} of "
-                f"{format_bytes(status.get('memory_total_bytes'))} system memory available"
-                f" &middot; {status.get('entries', 0)} entries &middot; daemon pid "
-                f"{status.get('pid')}"
-            )
         if self.header.value != line:
             self.header.value = line
         self.usage.value = min(1.0, used / budget) if budget else 0.0

@@ -17,6 +17,7 @@ export function makeEntry(overrides: Partial<IEntry> = {}): IEntry {
     cold_seconds: 4.2,
     store_seconds: 1.1,
     warm_seconds: [0.05, 0.03, 0.04],
+    warm_median_seconds: 0.04,
     holders: [1234],
     replayable: true,
     refresh: { state: 'idle', message: '', started: null },
