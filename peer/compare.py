@@ -1,7 +1,8 @@
 """Compare the plain and the warm run of `make peer-test` test by test.
 
 Usage: compare.py PLAIN.xml WARM.xml [STATS.json]. Prints a table per test file (one per
-model) and every test whose outcome differs; exits 1 if any does.
+model) and every test whose outcome differs; exits 1 if any does, if a run has no test or no warm hit,
+or if verify mode found a difference.
 """
 
 from __future__ import annotations
@@ -57,6 +58,16 @@ def main() -> int:
           f"{total.get('mismatches', 0)} VerifyMismatch warnings")
     for test_id, a, b in diffs:
         print(f"DIFFERS  {test_id}: plain {a}, warm {b}")
+    # A run that collected nothing, or whose calls never hit warm, proves nothing.
+    if not plain or not warm:
+        print("FAILED: a run has no test (see the pytest output above)")
+        return 1
+    if stats and not total.get("hits"):
+        print("FAILED: no from_pretrained call was served warm")
+        return 1
+    if total.get("mismatches"):
+        print("FAILED: verify mode found warm hits that differ from a plain load")
+        return 1
     return 1 if diffs else 0
 
 

@@ -2,6 +2,7 @@
 
 import unittest
 
+import torch
 from tests.test_modeling_common import ModelTesterMixin, ids_tensor, random_attention_mask
 from transformers import (
     BertConfig,
@@ -52,3 +53,13 @@ class BertPeerTest(ModelTesterMixin, unittest.TestCase):
 
     def setUp(self):
         self.model_tester = BertTester(self)
+
+    def _prepare_for_class(self, inputs_dict, model_class, return_labels=False):
+        # As transformers' own BertModelTest: the pre-training head's loss needs both labels.
+        inputs = super()._prepare_for_class(inputs_dict, model_class, return_labels)
+        if return_labels and model_class is BertForPreTraining:
+            size = (self.model_tester.batch_size, self.model_tester.seq_length)
+            inputs["labels"] = torch.zeros(size, dtype=torch.long)
+            inputs["next_sentence_label"] = torch.zeros(self.model_tester.batch_size,
+                                                        dtype=torch.long)
+        return inputs
