@@ -1,8 +1,8 @@
 """Compare the plain and the warm run of `make peer-test` test by test.
 
 Usage: compare.py PLAIN.xml WARM.xml [STATS.json]. Prints a table per test file (one per
-model) and every test whose outcome differs; exits 1 if any does, if a run has no test or no warm hit,
-or if verify mode found a difference.
+model) and every test whose outcome differs; exits 1 if any does, if a run has no test or
+no warm hit, or if verify mode found a difference.
 """
 
 from __future__ import annotations
