@@ -159,3 +159,64 @@ def test_quick_bench_end_to_end(tmp_path: Path) -> None:
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     print(f"quick bench: {elapsed:.0f} s")
+
+
+def _descendants(root: int) -> set[int]:
+    """Pids of every process below ``root`` (from ``/proc/<pid>/stat``)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    found: set[int] = set()
+    todo = [root]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            found.add(pid)
+            todo.append(pid)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+    except OSError:
+        return False
+
+
+def test_a_terminated_bench_stops_its_processes_and_writes_what_it_has(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = dict(os.environ, OVERMIND_LAB_SOCKET=str(tmp_path / "user-run" / "daemon.sock"))
+    log = (tmp_path / "bench.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "overmind_lab", "bench", "--quick", "--out", str(out),
+         "--models-dir", str(tmp_path / "models"), "--only", "text-encoder"],
+        stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+    seen: set[int] = set()
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and proc.poll() is None:
+            seen |= _descendants(proc.pid)
+            cmdlines = [Path(f"/proc/{p}/cmdline").read_bytes() for p in seen if _alive(p)]
+            if any(b"overmind_lab.bench._child" in c for c in cmdlines) and \
+                    any(b"serve" in c for c in cmdlines):
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, "the benchmark ended before it started a measurement"
+        proc.terminate()  # SIGTERM, as `kill` or a closing session sends
+        assert proc.wait(timeout=120) == 1
+        results = json.loads((out / "results.json").read_text(encoding="utf-8"))
+        assert any("interrupted" in e for e in results["errors"]), results["errors"]
+        left = [p for p in seen if _alive(p)]
+        assert not left, f"still running after the benchmark ended: {left}"
+    finally:
+        for pid in [proc.pid, *seen]:
+            if _alive(pid):
+                os.kill(pid, 9)
+        proc.wait(timeout=30)
+        log.close()

@@ -187,33 +187,47 @@ def run_sequence(
     while i < len(jobs):
         group = list(range(i, min(i + max(1, batch), len(jobs))))
         children: dict[int, Child] = {}
-        for j in group:
-            children[j] = Child(jobs[j], env, log_dir / f"{label}-{j + 1}.log", timeouts).start()
-        ready: dict[int, dict[str, Any]] = {}
-        for j in group:
-            try:
-                ready[j] = children[j].expect("ready", timeouts.ready)
-            except ChildError as exc:
-                records[j] = {"error": f"import: {exc}"}
-                children[j].kill()
-        for j in group:
-            child = children[j]
-            if j not in ready:
-                child.finish()
-                if on_result:
-                    on_result(j, records[j])
-                continue
-            try:
-                if before_go is not None:
-                    before_go(j)
-                child.send("go")
-                result = child.expect("result", timeouts.load)
-                records[j] = {**ready[j], **result}
-            except Exception as exc:  # noqa: BLE001 - recorded; the benchmark goes on
-                records[j] = {**ready[j], "error": f"{type(exc).__name__}: {exc}"}
+        try:
+            _run_group(jobs, group, children, records, env, log_dir, label, timeouts,
+                       before_go, on_result)
+        except BaseException:  # interrupted: no child outlives the benchmark
+            for child in children.values():
                 child.kill()
-            records[j]["exit_code"] = child.finish()
-            if on_result:
-                on_result(j, records[j])
+            raise
         i = group[-1] + 1
     return records
+
+
+def _run_group(jobs: list[dict[str, Any]], group: list[int], children: dict[int, Child],
+               records: list[dict[str, Any]], env: dict[str, str], log_dir: Path, label: str,
+               timeouts: Timeouts, before_go: Callable[[int], None] | None,
+               on_result: Callable[[int, dict[str, Any]], None] | None) -> None:
+    """Start the processes of one group, then let each load in turn (``run_sequence``)."""
+    for j in group:
+        children[j] = Child(jobs[j], env, log_dir / f"{label}-{j + 1}.log", timeouts).start()
+    ready: dict[int, dict[str, Any]] = {}
+    for j in group:
+        try:
+            ready[j] = children[j].expect("ready", timeouts.ready)
+        except ChildError as exc:
+            records[j] = {"error": f"import: {exc}"}
+            children[j].kill()
+    for j in group:
+        child = children[j]
+        if j not in ready:
+            child.finish()
+            if on_result:
+                on_result(j, records[j])
+            continue
+        try:
+            if before_go is not None:
+                before_go(j)
+            child.send("go")
+            result = child.expect("result", timeouts.load)
+            records[j] = {**ready[j], **result}
+        except Exception as exc:  # noqa: BLE001 - recorded; the benchmark goes on
+            records[j] = {**ready[j], "error": f"{type(exc).__name__}: {exc}"}
+            child.kill()
+        records[j]["exit_code"] = child.finish()
+        if on_result:
+            on_result(j, records[j])

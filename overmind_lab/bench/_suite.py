@@ -11,6 +11,7 @@ import contextlib
 import os
 import platform
 import shutil
+import signal
 import sys
 import time
 from datetime import datetime, timezone
@@ -495,5 +496,16 @@ class Bench:
         print("\n".join(lines), flush=True)
 
 
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def run_bench(args: argparse.Namespace) -> int:
-    return Bench(args).run()
+    """Run the benchmark. SIGTERM and SIGHUP (a closed terminal) stop it as Ctrl-C does: the
+    children and the private daemon are stopped and what was measured is written."""
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return Bench(args).run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
