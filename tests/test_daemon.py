@@ -9,7 +9,6 @@ import socket
 import stat
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import overmind_lab
 from overmind_lab import Client, OvermindWarning, UnknownEntry
 from tests.conftest import last_json, run_py
 from tests.loaders import sized_load
+from tests.nobody import NOBODY, package_for_nobody, python_for_nobody
 
 
 def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -62,19 +62,6 @@ def test_stale_socket_of_a_dead_daemon_is_replaced(sock_path: Path) -> None:
     assert client.replaced_dead_daemon
 
 
-NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-
-
-def python_for_nobody() -> str | None:
-    """An interpreter uid 65534 can run: ours may lie in a 0700 folder (a venv, pyenv)."""
-    for python in (os.path.realpath(sys._base_executable), "/usr/bin/python3"):
-        probe = subprocess.run([*NOBODY, python, "-c", "print('ok')"], capture_output=True,
-                               text=True, timeout=60)
-        if probe.stdout.strip() == "ok":
-            return python
-    return None
-
-
 @pytest.mark.skipif(os.getuid() != 0 or shutil.which("setpriv") is None,
                     reason="needs root and setpriv to run a client as another uid")
 def test_a_second_uid_cannot_use_the_daemon(daemon: Client, sock_path: Path) -> None:
@@ -83,13 +70,7 @@ def test_a_second_uid_cannot_use_the_daemon(daemon: Client, sock_path: Path) -> 
         pytest.skip("uid 65534 can run no Python interpreter on this machine")
     # The client needs only the standard library and the package's own Python files; the
     # checkout itself may lie in a folder uid 65534 cannot enter, so it gets a copy.
-    with tempfile.TemporaryDirectory(prefix="olt-nobody-", dir="/tmp") as copy:
-        os.chmod(copy, 0o755)
-        shutil.copytree(Path(overmind_lab.__file__).resolve().parent,
-                        Path(copy) / "overmind_lab",
-                        ignore=shutil.ignore_patterns("labextension", "__pycache__", "*.so"))
-        for path in Path(copy).rglob("*"):
-            path.chmod(0o755 if path.is_dir() else 0o644)
+    with package_for_nobody() as copy:
         code = (f"import sys, json; sys.path.insert(0, {copy!r}); "
                 "from overmind_lab import Client; "
                 f"print(json.dumps(Client({str(sock_path)!r}).status()))")

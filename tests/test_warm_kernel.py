@@ -30,6 +30,7 @@ import pytest
 
 import overmind_lab
 from overmind_lab._kernel import spec
+from tests.nobody import NOBODY, package_for_nobody, python_for_nobody
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 
@@ -354,7 +355,17 @@ def test_modules_a_kernel_imported_are_preloaded_by_a_later_zygote(
 def test_another_uid_cannot_ask_the_zygote_to_fork(zygote: dict[str, Any]) -> None:
     sock = Path(zygote["socket"])
     before = {z["pid"]: z["forks"] for z in spec.zygotes(sock.parent)}
-    code = (f"import sys, json, socket; sys.path.insert(0, {REPO!r})\n"
+    python = python_for_nobody()
+    if python is None:
+        pytest.skip("uid 65534 can run no Python interpreter on this machine")
+    with package_for_nobody() as copy:
+        _ask_as_nobody(python, copy, sock)
+    for z in spec.zygotes(sock.parent):  # nothing was forked for the other uid
+        assert z["forks"] == before.get(z["pid"], 0)
+
+
+def _ask_as_nobody(python: str, package: str, sock: Path) -> None:
+    code = (f"import sys, json, socket; sys.path.insert(0, {package!r})\n"
             "from overmind_lab._common.protocol import Channel\n"
             "s = socket.socket(socket.AF_UNIX)\n"
             "try:\n"
@@ -368,8 +379,7 @@ def test_another_uid_cannot_ask_the_zygote_to_fork(zygote: dict[str, Any]) -> No
             "except OSError:\n"
             "    pass\n"
             "print(json.dumps(c.recv()[0]))\n")
-    as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-                 sys.executable, "-c", code]
+    as_nobody = [*NOBODY, python, "-c", code]
     mode = sock.parent.stat().st_mode & 0o777
     try:
         sock.parent.chmod(0o700)
@@ -386,8 +396,6 @@ def test_another_uid_cannot_ask_the_zygote_to_fork(zygote: dict[str, Any]) -> No
     finally:
         sock.chmod(0o600)
         sock.parent.chmod(mode)
-    for z in spec.zygotes(sock.parent):  # nothing was forked for the other uid
-        assert z["forks"] == before.get(z["pid"], 0)
 
 
 def test_a_touched_preloaded_module_retires_the_stale_zygote(
