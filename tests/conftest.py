@@ -76,6 +76,24 @@ def run_py(code: str, *, env: dict[str, str] | None = None, timeout: float = 180
     return proc
 
 
+def run_cell(kc: Any, code: str, timeout: float) -> str:
+    """Run ``code`` (dedented) in the kernel of the blocking client ``kc``; returns what it
+    printed, and fails the test with the traceback if the cell raised."""
+    out: list[str] = []
+    errors: list[str] = []
+
+    def hook(msg: dict[str, Any]) -> None:
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "stream" and content["name"] == "stdout":
+            out.append(content["text"])
+        elif kind == "error":
+            errors.append("\n".join(content["traceback"]))
+
+    reply = kc.execute_interactive(textwrap.dedent(code), timeout=timeout, output_hook=hook)
+    assert reply["content"]["status"] == "ok", "\n".join(errors)
+    return "".join(out)
+
+
 def last_json(proc: subprocess.CompletedProcess[str]) -> Any:
     """The last stdout line of a child, parsed as JSON."""
     return json.loads(proc.stdout.strip().splitlines()[-1])

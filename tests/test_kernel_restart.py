@@ -8,16 +8,15 @@ import hashlib
 import json
 import os
 import sys
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from safetensors.torch import load_file
 
 import overmind_lab
 from overmind_lab import Client
+from tests.conftest import run_cell
 
 REPO = str(Path(overmind_lab.__file__).resolve().parents[1])
 
@@ -75,20 +74,7 @@ class Kernel:
         self.kc.wait_for_ready(timeout=120)
 
     def run(self, code: str, timeout: float = 180) -> str:
-        out: list[str] = []
-        errors: list[str] = []
-
-        def hook(msg: dict[str, Any]) -> None:
-            kind, content = msg["msg_type"], msg["content"]
-            if kind == "stream" and content["name"] == "stdout":
-                out.append(content["text"])
-            elif kind == "error":
-                errors.append("\n".join(content["traceback"]))
-
-        reply = self.kc.execute_interactive(textwrap.dedent(code), timeout=timeout,
-                                            output_hook=hook)
-        assert reply["content"]["status"] == "ok", "\n".join(errors)
-        return "".join(out)
+        return run_cell(self.kc, code, timeout)
 
     def restart(self) -> None:
         self.km.restart_kernel(now=False)

@@ -19,7 +19,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -30,6 +29,7 @@ import pytest
 
 import overmind_lab
 from overmind_lab._kernel import spec
+from tests.conftest import run_cell
 from tests.nobody import NOBODY, package_for_nobody, python_for_nobody
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
@@ -145,20 +145,7 @@ class Kernel:
         return "\n".join(self.handler.lines)
 
     def run(self, code: str, timeout: float = 120) -> str:
-        out: list[str] = []
-        errors: list[str] = []
-
-        def hook(msg: dict[str, Any]) -> None:
-            kind, content = msg["msg_type"], msg["content"]
-            if kind == "stream" and content["name"] == "stdout":
-                out.append(content["text"])
-            elif kind == "error":
-                errors.append("\n".join(content["traceback"]))
-
-        reply = self.kc.execute_interactive(textwrap.dedent(code), timeout=timeout,
-                                            output_hook=hook)
-        assert reply["content"]["status"] == "ok", "\n".join(errors)
-        return "".join(out)
+        return run_cell(self.kc, code, timeout)
 
     def json(self, code: str) -> Any:
         return json.loads(self.run(code).strip().splitlines()[-1])
