@@ -3,7 +3,8 @@
 import unittest
 
 import torch
-from tests.test_modeling_common import ModelTesterMixin, ids_tensor, random_attention_mask
+from tests.test_modeling_common import ModelTesterMixin, ids_tensor
+from tiny_tester import TinyTester
 from transformers import (
     BertConfig,
     BertForMaskedLM,
@@ -16,20 +17,7 @@ from transformers import (
 )
 
 
-class BertTester:
-    def __init__(self, parent, batch_size=2, seq_length=7):
-        self.parent = parent
-        self.batch_size = batch_size
-        self.seq_length = seq_length
-        self.vocab_size = 99
-        self.num_labels = 3
-        self.type_sequence_label_size = 2
-        self.is_training = True
-        self.hidden_size = 32
-        self.num_hidden_layers = 2
-        self.num_attention_heads = 4
-        self.intermediate_size = 37
-
+class BertTester(TinyTester):
     def get_config(self):
         return BertConfig(
             vocab_size=self.vocab_size, hidden_size=32, num_hidden_layers=2,
@@ -37,12 +25,9 @@ class BertTester:
             type_vocab_size=16,
         )
 
-    def prepare_config_and_inputs_for_common(self):
-        input_ids = ids_tensor([self.batch_size, self.seq_length], self.vocab_size)
+    def inputs(self):
         token_type_ids = ids_tensor([self.batch_size, self.seq_length], 16)
-        mask = random_attention_mask([self.batch_size, self.seq_length])
-        inputs = {"input_ids": input_ids, "token_type_ids": token_type_ids, "attention_mask": mask}
-        return self.get_config(), inputs
+        return {**super().inputs(), "token_type_ids": token_type_ids}
 
 
 class BertPeerTest(ModelTesterMixin, unittest.TestCase):
