@@ -68,7 +68,11 @@ def noisy_load(n: int) -> torch.Tensor:
     import warnings
 
     warnings.warn(f"noisy_load: {n} values are made up", UserWarning, stacklevel=2)
-    logging.getLogger("transformers.modeling_utils").warning("noisy_load logged %d", n)
+    # Two records in a row, as diffusers logs an ERROR and then a WARNING when a
+    # safetensors file is missing: the first is freed before the second is made.
+    logger = logging.getLogger("transformers.modeling_utils")
+    logger.error("noisy_load could not fetch %d", n)
+    logger.warning("noisy_load logged %d", n)
     return torch.ones(n)
 
 

@@ -172,7 +172,26 @@ def test_a_hit_replays_the_warnings_and_log_records_of_the_cold_load(
             assert event.outcome == outcome
     finally:
         logger.removeHandler(handler)
-    assert seen == ["noisy_load logged 7", "noisy_load logged 7"]
+    assert seen == ["noisy_load could not fetch 7", "noisy_load logged 7"] * 2
+
+
+def test_every_record_of_a_long_burst_is_recorded_once() -> None:
+    """Records freed as soon as they are handled reuse each other's ids; none is lost,
+    and one that reaches two watched loggers (``transformers`` and root) counts once."""
+    from overmind_lab._client.observe import Capture
+
+    child = logging.getLogger("transformers.modeling_utils")
+    with Capture(emit=False) as capture:
+        for i in range(50):
+            child.warning("record %d", i)
+        library = logging.getLogger("transformers")
+        propagate, library.propagate = library.propagate, True
+        try:
+            child.warning("through two loggers")
+        finally:
+            library.propagate = propagate
+    assert [r["msg"] for r in capture.observed.logs] == (
+        [f"record {i}" for i in range(50)] + ["through two loggers"])
 
 
 # Verify mode ----------------------------------------------------------------------------

@@ -102,15 +102,29 @@ class Observed:
 
 
 class _Recorder(logging.Handler):
+    """Appends each record once, as JSON, to ``out``.
+
+    Note [Records seen by two loggers]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    The recorder is attached to the root logger and to the library roots, so a record
+    that propagates from one to the other reaches it twice; it is recognised by identity.
+    An ``id()`` is only unique among live objects: a record is usually freed as soon as
+    its handlers return, and the next record is often allocated at the same address. A
+    set of ids alone therefore took the second of two consecutive records (diffusers'
+    "An error occurred while trying to fetch" ERROR, then its "Defaulting to unsafe
+    serialization" WARNING) for the first, and dropped it. ``seen`` keeps every record it
+    names alive until the capture ends, so no id is reused while it is in the set.
+    """
+
     def __init__(self, out: list[dict[str, Any]]) -> None:
         super().__init__(logging.NOTSET)
         self.out = out
-        self.seen: set[int] = set()
+        self.seen: dict[int, logging.LogRecord] = {}
 
     def emit(self, record: logging.LogRecord) -> None:
         if id(record) in self.seen:  # a record that propagated to a second logger we watch
             return
-        self.seen.add(id(record))
+        self.seen[id(record)] = record  # Note [Records seen by two loggers]
         try:
             msg = record.getMessage()
         except Exception:  # noqa: BLE001 - a broken log call is the library's to report
