@@ -295,6 +295,126 @@ def test_thread_counts_and_matmul_results_match_a_fresh_process(kernel: Kernel) 
         assert warm["pools"].get(path) == n, (path, warm["pools"], fresh["pools"])
 
 
+#: A zygote of its own (the preload set is part of the identity) that also holds diffusers,
+#: its UNet and scheduler modules, tokenizers and tqdm, as the default set would.
+LIBRARY_PRELOAD = PRELOAD + (",tqdm.auto,tokenizers,diffusers,diffusers.models.modeling_utils,"
+                             "diffusers.models.unets.unet_2d_condition,"
+                             "diffusers.schedulers.scheduling_ddim")
+
+LIBRARY_CODE = """
+import hashlib, json, os, sys, threading
+import torch
+from diffusers import DDIMScheduler, UNet2DConditionModel
+from tokenizers import Tokenizer, models, pre_tokenizers
+from tqdm.auto import tqdm
+from tqdm.std import TqdmDefaultWriteLock
+
+inherited = {"tqdm_lock": "mp_lock" in vars(TqdmDefaultWriteLock),
+             "tqdm_monitor": any(t.name == "tqdm_monitor" for t in threading.enumerate())}
+torch.manual_seed(0)
+unet = UNet2DConditionModel(
+    sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
+    block_out_channels=(32, 64), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32,
+    attention_head_dim=8, norm_num_groups=8).eval()
+scheduler = DDIMScheduler(num_train_timesteps=1000)
+scheduler.set_timesteps(2)
+latents, text = torch.randn(2, 4, 8, 8), torch.randn(2, 7, 32)
+with torch.no_grad():
+    for t in tqdm(scheduler.timesteps, file=sys.stdout, disable=False, mininterval=0):
+        latents = scheduler.step(unet(latents, t, encoder_hidden_states=text).sample, t,
+                                 latents).prev_sample
+words = [f"w{i}" for i in range(50)]
+tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]", *words])}, "[UNK]"))
+tok.pre_tokenizer = pre_tokenizers.Whitespace()
+ids = [e.ids for e in tok.encode_batch([" ".join(words[i:] + words[:i]) for i in range(200)])]
+print(json.dumps({**inherited,
+    "step": hashlib.sha256(latents.numpy().tobytes()).hexdigest(),
+    "tokens": hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
+    "tokenizers_parallelism": os.environ.get("TOKENIZERS_PARALLELISM"),
+    "torch_threads": torch.get_num_threads()}))
+"""
+
+
+def test_a_diffusers_step_tokenizers_and_tqdm_match_a_fresh_process(
+        zygote: dict[str, Any], warm_dir: Path) -> None:
+    """Issue 10: "a small diffusers pipeline step gives the same results as in a fresh
+    process"; tqdm's lock and monitor and the tokenizers pool are the kernel's own (Note
+    [Library state across the fork])."""
+    env = {"OVERMIND_LAB_PRELOAD": LIBRARY_PRELOAD}
+    first = Kernel(env=env)
+    first.close()
+    assert not first.warm  # a new identity: the first launch starts its zygote
+    ready = _wait_for(lambda: [z for z in spec.zygotes(warm_dir) if not z["retiring"]
+                               and "diffusers" in z["preload_roots"]], 300,
+                      "a zygote that preloaded diffusers")
+    assert ready[0]["refusal"] is None, ready
+    k = Kernel(env=env)
+    try:
+        assert k.warm, k.log_text()
+        warm = k.json(LIBRARY_CODE)
+    finally:
+        k.close()
+    fresh_proc = subprocess.run([sys.executable, "-c", LIBRARY_CODE], capture_output=True,
+                                text=True, timeout=300, cwd="/", check=True,
+                                env={**LAUNCH_ENV, **env})
+    fresh = json.loads(fresh_proc.stdout.strip().splitlines()[-1])
+    assert warm == fresh
+    assert not warm["tqdm_lock"] and not warm["tqdm_monitor"]
+
+
+def test_a_zygote_stops_tqdms_monitor_and_its_kernels_do_not_share_tqdms_lock() -> None:
+    """A bar made before the fork (its monitor thread, its inter-process lock): the zygote
+    stops the thread; a kernel killed while it holds tqdm's lock (mid-write) does not
+    block the bars of a kernel forked after it."""
+    code = """
+import os, signal, sys, time
+from tqdm.auto import tqdm
+from overmind_lab._kernel.child import _fresh_library_state
+from overmind_lab._kernel.zygote import _stop_library_threads
+for _ in tqdm(range(2), mininterval=0, file=sys.stderr):
+    pass
+assert tqdm.monitor is not None
+_stop_library_threads()
+deadline = time.monotonic() + 5
+while len(os.listdir("/proc/self/task")) > 1 and time.monotonic() < deadline:
+    time.sleep(0.01)
+print("threads", len(os.listdir("/proc/self/task")), flush=True)
+
+def fork(work):
+    pid = os.fork()
+    if pid == 0:
+        _fresh_library_state()
+        work()
+        os._exit(0)
+    return pid
+
+def hold():  # a kernel that is killed while it writes a bar
+    tqdm.get_lock().acquire()
+    time.sleep(60)
+
+holder = fork(hold)
+time.sleep(1)
+os.kill(holder, signal.SIGKILL)
+os.waitpid(holder, 0)
+drawer = fork(lambda: [None for _ in tqdm(range(2), mininterval=0, file=sys.stderr)])
+deadline = time.monotonic() + 20
+while time.monotonic() < deadline:
+    done, status = os.waitpid(drawer, os.WNOHANG)
+    if done:
+        print("drawer", os.waitstatus_to_exitcode(status))
+        break
+    time.sleep(0.05)
+else:
+    os.kill(drawer, signal.SIGKILL)
+    os.waitpid(drawer, 0)
+    print("drawer blocked")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
+    assert out.stdout.split("\n")[:2] == ["threads 1", "drawer 0"], out.stdout + out.stderr
+
+
 def test_an_edited_user_module_in_the_notebook_folder_runs_new_code(
         kernel: Kernel, warm_dir: Path, tmp_path: Path) -> None:
     mod = tmp_path / "my_user_module_xyz.py"

@@ -19,6 +19,8 @@ What a fresh process has and a fork would not, set here in this order:
 - new random state: ``random`` (CPython reseeds it at fork too) and numpy's global
   ``RandomState`` from the OS entropy pool. ``str`` hashes keep the zygote's seed (the
   hash secret is fixed at interpreter start and cannot be changed in a running process);
+- no tqdm write lock shared with the zygote and its other kernels (Note [Library state
+  across the fork] in ``zygote.py``);
 - the BLAS thread counts a fresh process gets (Note [BLAS threads] in ``zygote.py``):
   measured once per zygote by a fresh interpreter and set here through threadpoolctl.
   torch's own intra-op pool was never started in the zygote; it reads the kernel's
@@ -53,7 +55,7 @@ from overmind_lab._kernel import preload
 if TYPE_CHECKING:
     from overmind_lab._kernel.zygote import ChildTask
 
-__all__ = ["run", "become", "exit_now"]
+__all__ = ["run", "become", "exit_now", "tqdm_classes"]
 
 
 def _reset_signals() -> None:
@@ -79,6 +81,33 @@ def _reseed() -> None:
     random.seed()
     if "numpy.random" in sys.modules:
         sys.modules["numpy.random"].seed()
+
+
+def tqdm_classes() -> list[type]:
+    """``tqdm.std.tqdm`` and its subclasses (``tqdm.auto``'s, the notebook's): each may
+    hold a monitor and a lock of its own. Empty where tqdm is not imported."""
+    tqdm_std = sys.modules.get("tqdm.std")
+    if tqdm_std is None:
+        return []
+    found: list[type] = []
+    todo: list[type] = [tqdm_std.tqdm]
+    while todo:
+        cls = todo.pop()
+        if cls not in found:
+            found.append(cls)
+            todo.extend(cls.__subclasses__())
+    return found
+
+
+def _fresh_library_state() -> None:
+    """Drop library state a fork shares with the zygote (Note [Library state across the
+    fork] in ``zygote.py``): tqdm's inter-process write lock."""
+    for cls in tqdm_classes():
+        if "_lock" in vars(cls):
+            delattr(cls, "_lock")
+    lock_cls = getattr(sys.modules.get("tqdm.std"), "TqdmDefaultWriteLock", None)
+    if lock_cls is not None and "mp_lock" in vars(lock_cls):
+        del lock_cls.mp_lock
 
 
 def _set_threads(targets: dict[str, int]) -> None:
@@ -151,6 +180,7 @@ def become(task: ChildTask) -> None:
     importlib.invalidate_caches()
     linecache.clearcache()
     _reseed()
+    _fresh_library_state()
     _set_threads(task.thread_targets)
     if task.parent_pidfd is not None and task.env.get("JPY_PARENT_PID"):
         _watch_parent(task.parent_pidfd)

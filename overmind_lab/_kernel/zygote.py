@@ -113,6 +113,37 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+def _stop_library_threads() -> None:
+    """Stop threads that a preloaded module started and would restart on its own.
+
+    Note [Library state across the fork]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    Besides BLAS pools (Note [BLAS threads]), three libraries keep process state that a
+    fork would share or break; each kernel must start as a fresh process does:
+
+    - tqdm's monitor thread (``tqdm.tqdm.monitor``) starts with the first progress bar,
+      e.g. one a module made at import. The zygote stops it here, or it could never
+      fork; a kernel starts its own with its first bar, as tqdm does.
+    - tqdm's write lock (``TqdmDefaultWriteLock.mp_lock``, a multiprocessing ``RLock``
+      made with the first bar) is a semaphore that every fork would share: a kernel
+      interrupted while printing a bar would block every other kernel's bars. The
+      child drops the inherited lock (``child._fresh_library_state``) and tqdm makes a
+      new one with the kernel's first bar.
+    - HF ``tokenizers`` disables its thread pool in a forked child, with a warning, when
+      the parent had used it. The zygote never encodes, so the pool is unused and the
+      kernel gets it as a fresh process does, governed by the kernel's own
+      ``TOKENIZERS_PARALLELISM`` (the environment is replaced, the C library's too).
+      ``TOKENIZERS_*`` also belongs to the zygote's identity (``naming.py``).
+    """
+    from overmind_lab._kernel.child import tqdm_classes
+
+    for cls in tqdm_classes():
+        monitor = vars(cls).get("monitor")
+        if monitor is not None:
+            monitor.exit()
+            cls.monitor = None  # type: ignore[attr-defined]
+
+
 def fork_refusal() -> str | None:
     """Why forking now would give a kernel unlike a fresh one, or ``None``."""
     n = _threads()
@@ -221,6 +252,7 @@ def boot(paths: ZygotePaths, owners: list[int]) -> _State | None:
         probe = _probe_threads(user_env(dict(os.environ)))
         listener, tmp = _bind(paths)
         preloaded, failed = _do_preload(paths)
+        _stop_library_threads()
         out, _ = probe.communicate(timeout=120)
         import json
 
