@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 #: Cases of the end-to-end run: one diffusers model, the transformers model, a whole
 #: pipeline (fp32 files loaded as fp16), the PSS measurement and the kernel restart
 #: (all cases at once take longer than a test should on 2 cores).
-E2E_CASES = "unet-fp16,text-encoder,pipeline-fp32-as-fp16,pss,kernel-restart"
+E2E_CASES = "unet-fp16,single-file,pipeline-fp32-as-fp16,pss,kernel-restart"
 
 
 def test_add_parser_registers_bench() -> None:
@@ -44,7 +44,8 @@ def test_add_parser_registers_bench() -> None:
 
 def test_select_cases() -> None:
     assert _cases.select(None) == _cases.ALL_NAMES
-    assert _cases.select(["unet"]) == ["unet-fp16", "unet-fp32-as-fp16", "unet-fp32"]
+    assert _cases.select(["unet"]) == ["unet-fp16", "unet-fp32-as-fp16", "unet-fp32", "unet-bin"]
+    assert _cases.needed_models(["single-file", "llama-1b"]) == ["fp16", "llama", "single-file"]
     with pytest.raises(ValueError, match="unknown case"):
         _cases.select(["nope"])
 
@@ -111,7 +112,7 @@ def test_quick_bench_end_to_end(tmp_path: Path) -> None:
     for info in results["models"].values():
         assert (Path(info["path"]) / ".overmind-built.json").is_file()
 
-    for name in ("unet-fp16", "text-encoder", "pipeline-fp32-as-fp16"):
+    for name in ("unet-fp16", "single-file", "pipeline-fp32-as-fp16"):
         case = results["cases"][name]
         for mode, outcome in (("plain", "plain"), ("first", "cold"), ("warm", "warm"),
                               ("restart", "warm"), ("plain-cold", "plain"),

@@ -5,6 +5,12 @@ Diffusion 1.5 architecture with random weights stored in fp16 (``sd15-fp16``) an
 fp32 (``sd15-fp32``); ``--quick`` uses the tiny variants (``tiny-sd15-*``). Each
 component subfolder is a complete model directory, so the component cases load
 ``<pipeline>/unet`` etc. directly, as a user loads a standalone model.
+
+Three more, for the cases users have besides a diffusers folder (``_more_models.py``):
+a 1.1B-parameter Llama-style causal LM in bf16 (``llama-1b-bf16``), the fp16 UNet as a
+``.bin`` pickle checkpoint (``sd15-fp16-unet-bin``) and the fp16 pipeline as one
+single-file checkpoint for ``from_single_file`` (``sd15-fp16-single-file``); the last two
+are derived from ``sd15-fp16``, which is built first.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from overmind_lab.bench._more_models import SINGLE_FILE_NAME
 
 __all__ = ["ALL_NAMES", "CASES", "EXTRA_CASES", "Case", "build_models", "model_dirs", "select"]
 
@@ -29,10 +37,20 @@ class Case:
     subfolder: str | None  # component folder inside it, None for the whole pipeline
     dtype: str  # dtype asked of from_pretrained
     stored: str  # dtype of the files
+    method: str = "from_pretrained"  # the class's loading method
+    config_from: str | None = None  # a model key whose directory is passed as ``config=``
+    #: Modules the load imports lazily (the concrete class behind an Auto class, the
+    #: single-file converters): imported before the timed load, as in a session that
+    #: has loaded once. Importing is the warm kernel's part (``--only warm-kernel``).
+    imports: tuple[str, ...] = ()
 
     def path(self, dirs: dict[str, Path]) -> Path:
         base = dirs[self.model]
         return base / self.subfolder if self.subfolder else base
+
+    def kwargs(self, dirs: dict[str, Path]) -> dict[str, Any]:
+        """Arguments besides the path and dtype (JSON-able, for the measuring child)."""
+        return {"config": str(dirs[self.config_from])} if self.config_from else {}
 
 
 _UNET = "diffusers:UNet2DConditionModel"
@@ -47,6 +65,15 @@ CASES: list[Case] = [
          "text_encoder", "float16", "float16"),
     Case("pipeline-fp16", "Pipeline fp16 -> fp16", _PIPE, "fp16", None, "float16", "float16"),
     Case("pipeline-fp32-as-fp16", "Pipeline fp32 -> fp16", _PIPE, "fp32", None, "float16", "float32"),
+    Case("llama-1b", "Llama 1.1B causal LM bf16 -> bf16", "transformers:AutoModelForCausalLM",
+         "llama", None, "bfloat16", "bfloat16",
+         imports=("transformers.models.llama.modeling_llama",)),
+    Case("unet-bin", "UNet .bin (pickle) fp16 -> fp16", _UNET, "unet-bin", None, "float16",
+         "float16"),
+    Case("single-file", "Pipeline single file fp16 -> fp16 (from_single_file)", _PIPE,
+         "single-file", SINGLE_FILE_NAME, "float16", "float16", method="from_single_file",
+         config_from="fp16", imports=("diffusers.loaders.single_file",
+                                      "diffusers.loaders.single_file_utils")),
 ]
 
 #: Cases that are not a plain/first/warm load triple.
@@ -91,29 +118,50 @@ def select(only: list[str] | None) -> list[str]:
 
 def model_dirs(models_dir: Path, quick: bool) -> dict[str, Path]:
     prefix = "tiny-sd15" if quick else "sd15"
-    return {"fp16": models_dir / f"{prefix}-fp16", "fp32": models_dir / f"{prefix}-fp32"}
+    return {"fp16": models_dir / f"{prefix}-fp16", "fp32": models_dir / f"{prefix}-fp32",
+            "llama": models_dir / ("tiny-llama-bf16" if quick else "llama-1b-bf16"),
+            "unet-bin": models_dir / f"{prefix}-fp16-unet-bin",
+            "single-file": models_dir / f"{prefix}-fp16-single-file"}
+
+
+#: Model keys built from another model's directory (built first).
+_DERIVED_FROM = {"unet-bin": "fp16", "single-file": "fp16"}
 
 
 def needed_models(names: list[str]) -> list[str]:
+    """The model keys the cases need, in build order (sources before what derives)."""
     by_name = {c.name: c for c in CASES}
     needed = {by_name[n].model for n in names if n in by_name}
+    needed |= {c.config_from for n in names
+               if (c := by_name.get(n)) is not None and c.config_from is not None}
     if "pss" in names:
         needed.add(by_name[PSS_CASE].model)
     if "kernel-restart" in names:
         needed.add(by_name[KERNEL_CASE].model)
-    return sorted(needed)
+    needed |= {_DERIVED_FROM[k] for k in needed if k in _DERIVED_FROM}
+    return sorted(needed, key=lambda k: (k in _DERIVED_FROM, k))
 
 
 _BUILD_SCRIPT = """
 import json, sys, time
 import torch
 from overmind_lab.bench import models as _models
+from overmind_lab.bench import _more_models
+from pathlib import Path
 spec = json.loads(sys.argv[1])
+dirs = {k: Path(path) for k, (path, _dtype) in spec["models"].items()}
 out = {}
 for key, (path, dtype) in spec["models"].items():
     t0 = time.perf_counter()
     built = _models.is_built(path)
-    _models.build_sd15_pipeline(path, dtype=getattr(torch, dtype), tiny=spec["tiny"])
+    if key == "llama":
+        _more_models.build_llama(dirs[key], tiny=spec["tiny"])
+    elif key == "unet-bin":
+        _more_models.build_unet_bin(dirs[key], dirs["fp16"] / "unet")
+    elif key == "single-file":
+        _more_models.build_single_file(dirs[key], dirs["fp16"])
+    else:
+        _models.build_sd15_pipeline(path, dtype=getattr(torch, dtype), tiny=spec["tiny"])
     marker = _models.read_marker(path) or {}
     out[key] = {"path": path, "dtype": dtype, "bytes": marker.get("bytes"),
                 "reused": built, "seconds": time.perf_counter() - t0,
@@ -125,7 +173,8 @@ print(json.dumps(out))
 def build_models(dirs: dict[str, Path], keys: list[str], quick: bool, timeout: float) -> dict[str, dict[str, Any]]:
     """Build (once) the pipeline directories in a child process (progress on stderr)."""
     spec = {"tiny": quick,
-            "models": {k: (str(dirs[k]), "float16" if k == "fp16" else "float32") for k in keys}}
+            "models": {k: (str(dirs[k]), {"fp32": "float32", "llama": "bfloat16"}.get(k, "float16"))
+                       for k in keys}}
     env = dict(os.environ)
     env.setdefault("TRANSFORMERS_VERBOSITY", "error")
     env.setdefault("DIFFUSERS_VERBOSITY", "error")

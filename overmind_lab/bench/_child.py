@@ -8,7 +8,8 @@ a log file):
    ``overmind_lab`` with its load machinery; then ``{"event": "ready", ...}``;
 2. waits for ``go`` on stdin (so the parent can let it import while nothing is being
    timed, and run the measurements one at a time);
-3. times the load call alone (``plain``: the library's own ``from_pretrained``;
+3. times the load call alone (``plain``: the library's own ``from_pretrained``, or the
+   job's ``method``, e.g. ``from_single_file``, with its ``kwargs``;
    ``first``/``warm``: ``overmind_lab.load(Cls.from_pretrained, ...)``), then, untimed
    for the ratios, the first touch of every weight page, optionally a correctness check
    against a plain load, and reports ``{"event": "result", ...}``;
@@ -22,6 +23,7 @@ The parent never imports torch; only these processes do.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -64,8 +66,6 @@ def _quiet_libraries() -> None:
 
 def _import_loader(loader: str) -> Any:
     module_name, _, attr = loader.partition(":")
-    import importlib
-
     return getattr(importlib.import_module(module_name), attr)
 
 
@@ -147,6 +147,8 @@ def _main(job: dict[str, Any]) -> None:
 
     t_torch = time.perf_counter()
     cls = _import_loader(job["loader"])
+    for module in job.get("imports", ()):
+        importlib.import_module(module)
     t_lib = time.perf_counter()
     if cached or job.get("import_overmind", False):
         import overmind_lab
@@ -171,13 +173,14 @@ def _main(job: dict[str, Any]) -> None:
         return
 
     dtype = getattr(torch, job["dtype"])
-    kwargs = {"dtype": dtype}
+    kwargs = {"dtype": dtype, **job.get("kwargs", {})}
+    method = getattr(cls, job.get("method", "from_pretrained"))
     outcome = "plain"
     event: dict[str, Any] = {}
     if cached:
         start = time.perf_counter()
         with overmind_lab.record_loads() as events:
-            obj = overmind_lab.load(cls.from_pretrained, job["path"], **kwargs)
+            obj = overmind_lab.load(method, job["path"], **kwargs)
         load_seconds = time.perf_counter() - start
         if events:
             ev = events[-1]
@@ -188,7 +191,7 @@ def _main(job: dict[str, Any]) -> None:
             outcome = "unknown"
     else:
         start = time.perf_counter()
-        obj = cls.from_pretrained(job["path"], **kwargs)
+        obj = method(job["path"], **kwargs)
         load_seconds = time.perf_counter() - start
 
     tensors = _tensors(obj)
@@ -212,7 +215,7 @@ def _main(job: dict[str, Any]) -> None:
     if job.get("check"):
         from overmind_lab.bench._compare import compare
 
-        plain = cls.from_pretrained(job["path"], **kwargs)
+        plain = method(job["path"], **kwargs)
         result["check"] = compare(obj, plain)
         del plain
     if job.get("hold"):

@@ -104,7 +104,9 @@ class Bench:
 
     def job(self, case: Case, mode: str, **extra: Any) -> dict[str, Any]:
         return {"mode": mode, "loader": case.loader, "path": str(case.path(self.dirs)),
-                "dtype": case.dtype, **extra}
+                "dtype": case.dtype, "method": case.method, "kwargs": case.kwargs(self.dirs),
+                "imports": list(case.imports),
+                **extra}
 
     # -- load cases -----------------------------------------------------------------------
     def run_case(self, case: Case) -> dict[str, Any]:
