@@ -218,6 +218,11 @@ def rebuild_rehashed(cls: type[Any], state: dict[str, Any], current: bool) -> An
     return obj
 
 
+#: Builtin types (exact) that no storage or passed component can be.
+_NEVER_PERSISTENT = frozenset({str, int, float, bool, type(None), tuple, list, dict, bytes,
+                               set, frozenset})
+
+
 def _make_pickler(base: type, file: io.BytesIO, plan: WritePlan,
                   components: dict[int, str]) -> Any:
     import torch
@@ -235,7 +240,12 @@ def _make_pickler(base: type, file: io.BytesIO, plan: WritePlan,
             return NotImplemented
 
         def persistent_id(self, obj: Any) -> Any:
-            key = components.get(id(obj))
+            # Note [The pickler's hot path]: called for every object of the graph (70,000
+            # for an SD UNet, against 686 storages): most are of a builtin type that can
+            # be neither a storage nor a component, and leave at the first test.
+            if type(obj) in _NEVER_PERSISTENT:
+                return None
+            key = components.get(id(obj)) if components else None
             if key is not None:  # Note [Components by reference]
                 return ("c", key)
             if isinstance(obj, torch.storage.TypedStorage):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import bisect
 import os
 import stat
+import weakref
 from dataclasses import dataclass
 
 from overmind_lab._common.messages import SourceRecord
@@ -90,6 +91,16 @@ class SourceMap:
                                    os.makedev(major, minor), int(parts[4])))
         self._vmas.sort(key=lambda v: v.start)
         self._starts = [v.start for v in self._vmas]
+        self._pagemap: int | None = None  # opened on first use, closed with the map
+
+    def _pagemap_fd(self) -> int | None:
+        if self._pagemap is None:
+            try:
+                self._pagemap = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                return None
+            weakref.finalize(self, os.close, self._pagemap)
+        return self._pagemap
 
     def find(self, address: int, nbytes: int) -> tuple[SourceFile, int] | None:
         """The file and offset whose unchanged bytes ``[address, +nbytes)`` are."""
@@ -105,7 +116,8 @@ class SourceMap:
         offset = vma.offset + address - vma.start
         if source is None or offset + nbytes > source.size:
             return None
-        if not _pages_unmodified(address, nbytes):
+        fd = self._pagemap_fd()
+        if fd is None or not _pages_unmodified(fd, address, nbytes):
             return None
         return source, offset
 
@@ -122,13 +134,11 @@ class SourceMap:
         return self._files[vma.path]
 
 
-def _pages_unmodified(address: int, nbytes: int) -> bool:
+def _pages_unmodified(pagemap: int, address: int, nbytes: int) -> bool:
     """No page of the range was copied on write: each is absent or file-backed."""
     first, last = address // PAGE, (address + nbytes - 1) // PAGE
     try:
-        with open("/proc/self/pagemap", "rb") as f:
-            f.seek(first * 8)
-            raw = f.read((last - first + 1) * 8)
+        raw = os.pread(pagemap, (last - first + 1) * 8, first * 8)
     except OSError:
         return False
     if len(raw) != (last - first + 1) * 8:
