@@ -2,8 +2,12 @@
 
 This starts a daemon on a temporary socket and ``jupyter lab`` under the non-root base URL
 ``/lab-test/`` with the extension from this tree (``overmind_lab/labextension``, built by
-``jlpm build``), then runs the Playwright suite in ``ui-tests/`` against it. Screenshots
-(light and dark) land in ``ui-tests/artifacts/``.
+``jlpm build``), then runs the Playwright suite in ``ui-tests/`` against it. A warm-kernel
+zygote (the default preload set: torch, diffusers, transformers...) runs beside them in
+the daemon socket's directory, so the sidebar lists it and restarts it; every zygote
+process is killed at teardown, also on failure. Screenshots (light and dark) land in
+``$OVERMIND_UI_ARTIFACTS``, default ``ui-tests/artifacts/`` (``make images`` copies one
+into ``docs/images/``).
 
 Needs Debian's chromium (``apt-get install chromium``), the Playwright package
 (``cd ui-tests && PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 jlpm install``) and a built
@@ -31,7 +35,11 @@ from typing import Any
 import pytest
 
 from overmind_lab import Client
+from overmind_lab._kernel import spec
+from overmind_lab._kernel import zygote as zygote_mod
+from overmind_lab._kernel.naming import ZygotePaths
 from tests.conftest import save_tiny_unet
+from tests.test_warm_kernel import _kill_ours, ready_zygote
 
 REPO = Path(__file__).resolve().parents[1]
 UI_TESTS = REPO / "ui-tests"
@@ -124,8 +132,8 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 @pytest.fixture
-def lab(tmp_path: Path, daemon: Client) -> Iterator[dict[str, Any]]:
-    """A running ``jupyter lab`` whose kernels use ``daemon``; its URL, token and log."""
+def prerequisites() -> None:
+    """Skip (fail with ``OVERMIND_LAB_REQUIRE_UI=1``) when the browser test cannot run."""
     missing = missing_prerequisites()
     if missing:
         message = "browser tests need: " + "; ".join(missing)
@@ -133,6 +141,26 @@ def lab(tmp_path: Path, daemon: Client) -> Iterator[dict[str, Any]]:
             pytest.fail(message)
         pytest.skip(message)
 
+
+@pytest.fixture
+def zygote(prerequisites: None, sock_path: Path) -> Iterator[Path]:
+    """A zygote booting in the background beside the daemon socket (``spec.zygotes``
+    lists it there); its directory. It is started as the provisioner starts one (detached,
+    owned by this process) and everything it ran is killed at teardown: the zygote, its
+    replacement after a restart and kernels forked from them all carry the socket path in
+    their command line."""
+    paths = ZygotePaths.for_launch(sys.executable, dict(os.environ))
+    try:
+        zygote_mod.spawn(paths, owners=[os.getpid()], env=dict(os.environ))
+        yield sock_path.parent
+    finally:
+        _kill_ours(f"{sock_path.parent}/zygote-")
+
+
+@pytest.fixture
+def lab(prerequisites: None, tmp_path: Path, daemon: Client,
+        zygote: Path) -> Iterator[dict[str, Any]]:
+    """A running ``jupyter lab`` whose kernels use ``daemon``; its URL, token and log."""
     root = tmp_path / "root"
     save_tiny_unet(root / "models" / "unet")
     write_notebook(root / "load.ipynb", LOAD_CELLS)
@@ -184,8 +212,9 @@ def lab(tmp_path: Path, daemon: Client) -> Iterator[dict[str, Any]]:
         stop(proc)
 
 
-def test_sidebar_in_a_real_browser(lab: dict[str, Any], daemon: Client) -> None:
-    artifacts = UI_TESTS / "artifacts"
+def test_sidebar_in_a_real_browser(lab: dict[str, Any], daemon: Client, zygote: Path) -> None:
+    artifacts = Path(os.environ.get("OVERMIND_UI_ARTIFACTS") or UI_TESTS / "artifacts")
+    first = ready_zygote(zygote, timeout=300)  # the browser expects it listed
     env = dict(os.environ)
     env.update({
         "OVERMIND_UI_URL": lab["url"],
@@ -206,6 +235,10 @@ def test_sidebar_in_a_real_browser(lab: dict[str, Any], daemon: Client) -> None:
         f"{lab['log'].read_text()[-4000:]}")
     for name in ("light", "dark", "empty-light", "refreshed-light", "down-light"):
         assert (artifacts / f"sidebar-{name}.png").is_file()
+    assert (artifacts / "readme-sidebar.png").is_file()
+    # The browser restarted the zygote: a replacement serves.
+    pids = [z["pid"] for z in spec.zygotes(zygote)]
+    assert pids and first["pid"] not in pids, pids
     # The browser stopped the daemon from a kernel and started it again from the sidebar.
     assert daemon.status()["running"] is True
     assert daemon.entries() == []

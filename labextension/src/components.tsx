@@ -138,7 +138,7 @@ function WarmKernels({ model }: { model: OvermindModel }): JSX.Element {
     <section className="jp-OvermindLab-warm" aria-label="Warm kernels">
       <div className="jp-OvermindLab-sectionHeader">
         <h3 className="jp-OvermindLab-title">Warm kernels</h3>
-        {zygotes.length > 0 && (
+        {(zygotes.length > 0 || busy) && (
           <button
             type="button"
             className="jp-Button jp-mod-styled jp-OvermindLab-restart"
