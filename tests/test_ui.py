@@ -2,10 +2,11 @@
 
 This starts a daemon on a temporary socket and ``jupyter lab`` under the non-root base URL
 ``/lab-test/`` with the extension from this tree (``overmind_lab/labextension``, built by
-``jlpm build``), then runs the Playwright suite in ``ui-tests/`` against it. A warm-kernel
-zygote (the default preload set: torch, diffusers, transformers...) runs beside them in
-the daemon socket's directory, so the sidebar lists it and restarts it; every zygote
-process is killed at teardown, also on failure. Screenshots (light and dark) land in
+``jlpm build``), then runs the Playwright suite in ``ui-tests/`` against it. The server
+also sees the warm kernelspec: the browser's first warm kernel starts a zygote (the default
+preload set: torch, diffusers, transformers...) beside the daemon socket, the second is
+forked from it, and the sidebar lists the zygote and restarts it; every zygote process
+(and kernel forked from one) is killed at teardown, also on failure. Screenshots (light and dark) land in
 ``$OVERMIND_UI_ARTIFACTS``, default ``ui-tests/artifacts/`` (``make images`` copies one
 into ``docs/images/``).
 
@@ -36,10 +37,8 @@ import pytest
 
 from overmind_lab import Client
 from overmind_lab._kernel import spec
-from overmind_lab._kernel import zygote as zygote_mod
-from overmind_lab._kernel.naming import ZygotePaths
 from tests.conftest import save_tiny_unet
-from tests.test_warm_kernel import _kill_ours, ready_zygote
+from tests.test_warm_kernel import _kill_ours
 
 REPO = Path(__file__).resolve().parents[1]
 UI_TESTS = REPO / "ui-tests"
@@ -65,6 +64,7 @@ CHANGE_CELLS = [
 
 
 STOP_CELLS = ["from overmind_lab import Client", 'print("STOPPED", Client().stop())']
+WARM_CELLS = ['import os\nprint("WARM", os.getpid())']
 
 
 def missing_prerequisites() -> list[str]:
@@ -82,7 +82,8 @@ def missing_prerequisites() -> list[str]:
     return missing
 
 
-def write_notebook(path: Path, cells: list[str]) -> None:
+def write_notebook(path: Path, cells: list[str], kernel: str = "python3",
+                   display_name: str = "Python 3") -> None:
     notebook = {
         "cells": [
             {"cell_type": "code", "execution_count": None, "id": f"cell{i}", "metadata": {},
@@ -90,7 +91,7 @@ def write_notebook(path: Path, cells: list[str]) -> None:
             for i, source in enumerate(cells)
         ],
         "metadata": {
-            "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
+            "kernelspec": {"display_name": display_name, "language": "python", "name": kernel},
             "language_info": {"name": "python"},
         },
         "nbformat": 4,
@@ -143,15 +144,18 @@ def prerequisites() -> None:
 
 
 @pytest.fixture
-def zygote(prerequisites: None, sock_path: Path) -> Iterator[Path]:
-    """A zygote booting in the background beside the daemon socket (``spec.zygotes``
-    lists it there); its directory. It is started as the provisioner starts one (detached,
-    owned by this process) and everything it ran is killed at teardown: the zygote, its
-    replacement after a restart and kernels forked from them all carry the socket path in
-    their command line."""
-    paths = ZygotePaths.for_launch(sys.executable, dict(os.environ))
+def zygote(prerequisites: None, sock_path: Path, tmp_path: Path,
+           monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """The warm kernelspec where the server finds it (``JUPYTER_PATH``); the directory in
+    which its first launch starts the zygote (beside the daemon socket). At teardown every
+    zygote process is killed: the zygote, its replacement after a restart and the kernels
+    forked from them all carry the zygote's socket path in their command line."""
+    prefix = tmp_path / "prefix"
+    spec.install(prefix=str(prefix))
+    share = str(prefix / "share" / "jupyter")
+    monkeypatch.setenv("JUPYTER_PATH", os.pathsep.join(
+        filter(None, [share, os.environ.get("JUPYTER_PATH")])))
     try:
-        zygote_mod.spawn(paths, owners=[os.getpid()], env=dict(os.environ))
         yield sock_path.parent
     finally:
         _kill_ours(f"{sock_path.parent}/zygote-")
@@ -167,6 +171,8 @@ def lab(prerequisites: None, tmp_path: Path, daemon: Client,
     write_notebook(root / "again.ipynb", LOAD_CELLS)
     write_notebook(root / "change.ipynb", CHANGE_CELLS)
     write_notebook(root / "stop.ipynb", STOP_CELLS)
+    for name in ("warm.ipynb", "warm-again.ipynb"):
+        write_notebook(root / name, WARM_CELLS, spec.DEFAULT_NAME, spec.DISPLAY_NAME)
 
     # This tree's build of the extension, whatever is installed in the environment.
     extensions = tmp_path / "labextensions"
@@ -214,7 +220,6 @@ def lab(prerequisites: None, tmp_path: Path, daemon: Client,
 
 def test_sidebar_in_a_real_browser(lab: dict[str, Any], daemon: Client, zygote: Path) -> None:
     artifacts = Path(os.environ.get("OVERMIND_UI_ARTIFACTS") or UI_TESTS / "artifacts")
-    first = ready_zygote(zygote, timeout=300)  # the browser expects it listed
     env = dict(os.environ)
     env.update({
         "OVERMIND_UI_URL": lab["url"],
@@ -236,9 +241,9 @@ def test_sidebar_in_a_real_browser(lab: dict[str, Any], daemon: Client, zygote: 
     for name in ("light", "dark", "empty-light", "refreshed-light", "down-light"):
         assert (artifacts / f"sidebar-{name}.png").is_file()
     assert (artifacts / "readme-sidebar.png").is_file()
-    # The browser restarted the zygote: a replacement serves.
-    pids = [z["pid"] for z in spec.zygotes(zygote)]
-    assert pids and first["pid"] not in pids, pids
+    # The browser started a zygote through a warm kernel and restarted it: a replacement
+    # serves, which has forked nothing yet.
+    assert [z["forks"] for z in spec.zygotes(zygote)] == [0]
     # The browser stopped the daemon from a kernel and started it again from the sidebar.
     assert daemon.status()["running"] is True
     assert daemon.entries() == []

@@ -135,7 +135,10 @@ export class OvermindModel {
     }
   }
 
-  /** Fetch status and entries. Rejects when the server cannot be reached (Poll backs off). */
+  /**
+   * Fetch status, entries and zygotes. Rejects when the server cannot be reached (Poll
+   * backs off).
+   */
   async update(): Promise<void> {
     try {
       const [status, entries, zygotes] = await Promise.all([

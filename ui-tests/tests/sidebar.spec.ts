@@ -7,7 +7,10 @@
  *   again.ipynb     the same cells (a second kernel: a warm load)
  *   change.ipynb    saves new weights into models/unet (the model on disk changes)
  *   stop.ipynb      stops the daemon (Client().stop())
- * and starts a warm-kernel zygote beside the daemon socket (listed by `GET zygotes`).
+ *   warm.ipynb, warm-again.ipynb
+ *                   print("WARM", pid) in the warm kernel ("Python 3 (warm, overmind-lab)",
+ *                   installed where the server finds it): the first launch is plain and
+ *                   starts the zygote, later ones are forked from it
  */
 import * as fs from 'fs';
 import * as path from 'path';
@@ -158,6 +161,8 @@ test('the sidebar shows, refreshes and evicts a model cached by a kernel', async
     await expect(panel.locator('.jp-OvermindLab-empty')).toContainText('%load_ext overmind_lab');
     await expect(panel.locator('.jp-OvermindLab-empty')).toContainText('%overmind_load');
     await expect(panel.locator('.jp-OvermindLab-memoryBar')).toBeVisible();
+    await expect(panel.locator('.jp-OvermindLab-warmEmpty')).toContainText('overmind-lab kernel install');
+    await expect(panel.locator('.jp-OvermindLab-warmEmpty')).toContainText('Python 3 (warm, overmind-lab)');
     await screenshots(page, panel, 'empty-light');
   });
 
@@ -203,6 +208,20 @@ test('the sidebar shows, refreshes and evicts a model cached by a kernel', async
     expect(entry.warm_seconds.length).toBe(1);
   });
 
+  await test.step('warm kernels: the first starts the zygote, the next is forked', async () => {
+    await runNotebook(page, 'warm.ipynb', 'WARM');
+    // The zygote imports torch, diffusers, transformers... before it is listed.
+    await expect
+      .poll(async () => (await restZygotes(request)).filter(z => !z.retiring).length, {
+        timeout: 300_000
+      })
+      .toBe(1);
+    await runNotebook(page, 'warm-again.ipynb', 'WARM');
+    const [zygote] = await restZygotes(request);
+    expect(zygote.forks).toBe(1);
+    panel = await showSidebar(page);
+  });
+
   await test.step('the warm kernels section shows the zygote', async () => {
     const [zygote] = await restZygotes(request);
     expect(zygote.preloaded).toBeGreaterThan(0);
@@ -213,8 +232,9 @@ test('the sidebar shows, refreshes and evicts a model cached by a kernel', async
     await expect(zrow.locator('.jp-OvermindLab-zygoteMemory')).toHaveText(
       /^RSS \d+(\.\d+)? (MiB|GiB) · PSS \d+(\.\d+)? (MiB|GiB)$/
     );
-    await expect(zrow.locator('.jp-OvermindLab-zygoteForks')).toHaveText(/^\d+ forks?$/);
-    await expect(zrow.locator('.jp-OvermindLab-zygoteLastFork')).toHaveText(/^last fork (–|[\d.]+ ms)$/);
+    await expect(zrow.locator('.jp-OvermindLab-zygoteForks')).toHaveText('1 fork');
+    await expect(zrow.locator('.jp-OvermindLab-zygoteLastFork')).toHaveText(/^last fork [\d.]+ ms$/);
+    await expect(zrow).toContainText('1 kernel running');
     const modules = zrow.locator('.jp-OvermindLab-modules');
     await expect(modules.locator('summary')).toHaveText(`${zygote.preloaded} modules preloaded`);
     await expect(modules.locator('.jp-OvermindLab-moduleList')).toBeHidden();
