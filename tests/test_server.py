@@ -348,6 +348,8 @@ ROUTES = [
     ("POST", "entries/feedface/refresh"),
     ("POST", "evict-all"),
     ("POST", "daemon/start"),
+    ("GET", "zygotes"),
+    ("POST", "zygotes/restart"),
 ]
 
 
@@ -373,6 +375,7 @@ async def test_polling_does_not_count_as_activity(
         await jp_fetch(API, "status")
         await jp_fetch(API, "entries")
         await jp_fetch(API, "entries", cached_tensor)
+        await jp_fetch(API, "zygotes")  # the sidebar polls it too
     assert "api_last_activity" not in settings
     assert jp_serverapp.web_app.last_activity() == before
 

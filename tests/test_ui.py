@@ -2,8 +2,13 @@
 
 This starts a daemon on a temporary socket and ``jupyter lab`` under the non-root base URL
 ``/lab-test/`` with the extension from this tree (``overmind_lab/labextension``, built by
-``jlpm build``), then runs the Playwright suite in ``ui-tests/`` against it. Screenshots
-(light and dark) land in ``ui-tests/artifacts/``.
+``jlpm build``), then runs the Playwright suite in ``ui-tests/`` against it. The server
+also sees the warm kernelspec: the browser's first warm kernel starts a zygote (the default
+preload set: torch, diffusers, transformers...) beside the daemon socket, the second is
+forked from it, and the sidebar lists the zygote and restarts it; every zygote process
+(and kernel forked from one) is killed at teardown, also on failure. Screenshots (light and dark) land in
+``$OVERMIND_UI_ARTIFACTS``, default ``ui-tests/artifacts/`` (``make images`` copies one
+into ``docs/images/``).
 
 Needs Debian's chromium (``apt-get install chromium``), the Playwright package
 (``cd ui-tests && PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 jlpm install``) and a built
@@ -31,7 +36,9 @@ from typing import Any
 import pytest
 
 from overmind_lab import Client
+from overmind_lab._kernel import spec
 from tests.conftest import save_tiny_unet
+from tests.test_warm_kernel import _kill_ours
 
 REPO = Path(__file__).resolve().parents[1]
 UI_TESTS = REPO / "ui-tests"
@@ -57,6 +64,7 @@ CHANGE_CELLS = [
 
 
 STOP_CELLS = ["from overmind_lab import Client", 'print("STOPPED", Client().stop())']
+WARM_CELLS = ['import os\nprint("WARM", os.getpid())']
 
 
 def missing_prerequisites() -> list[str]:
@@ -74,7 +82,8 @@ def missing_prerequisites() -> list[str]:
     return missing
 
 
-def write_notebook(path: Path, cells: list[str]) -> None:
+def write_notebook(path: Path, cells: list[str], kernel: str = "python3",
+                   display_name: str = "Python 3") -> None:
     notebook = {
         "cells": [
             {"cell_type": "code", "execution_count": None, "id": f"cell{i}", "metadata": {},
@@ -82,7 +91,7 @@ def write_notebook(path: Path, cells: list[str]) -> None:
             for i, source in enumerate(cells)
         ],
         "metadata": {
-            "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
+            "kernelspec": {"display_name": display_name, "language": "python", "name": kernel},
             "language_info": {"name": "python"},
         },
         "nbformat": 4,
@@ -124,8 +133,8 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 @pytest.fixture
-def lab(tmp_path: Path, daemon: Client) -> Iterator[dict[str, Any]]:
-    """A running ``jupyter lab`` whose kernels use ``daemon``; its URL, token and log."""
+def prerequisites() -> None:
+    """Skip (fail with ``OVERMIND_LAB_REQUIRE_UI=1``) when the browser test cannot run."""
     missing = missing_prerequisites()
     if missing:
         message = "browser tests need: " + "; ".join(missing)
@@ -133,12 +142,37 @@ def lab(tmp_path: Path, daemon: Client) -> Iterator[dict[str, Any]]:
             pytest.fail(message)
         pytest.skip(message)
 
+
+@pytest.fixture
+def zygote(prerequisites: None, sock_path: Path, tmp_path: Path,
+           monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """The warm kernelspec where the server finds it (``JUPYTER_PATH``); the directory in
+    which its first launch starts the zygote (beside the daemon socket). At teardown every
+    zygote process is killed: the zygote, its replacement after a restart and the kernels
+    forked from them all carry the zygote's socket path in their command line."""
+    prefix = tmp_path / "prefix"
+    spec.install(prefix=str(prefix))
+    share = str(prefix / "share" / "jupyter")
+    monkeypatch.setenv("JUPYTER_PATH", os.pathsep.join(
+        filter(None, [share, os.environ.get("JUPYTER_PATH")])))
+    try:
+        yield sock_path.parent
+    finally:
+        _kill_ours(f"{sock_path.parent}/zygote-")
+
+
+@pytest.fixture
+def lab(prerequisites: None, tmp_path: Path, daemon: Client,
+        zygote: Path) -> Iterator[dict[str, Any]]:
+    """A running ``jupyter lab`` whose kernels use ``daemon``; its URL, token and log."""
     root = tmp_path / "root"
     save_tiny_unet(root / "models" / "unet")
     write_notebook(root / "load.ipynb", LOAD_CELLS)
     write_notebook(root / "again.ipynb", LOAD_CELLS)
     write_notebook(root / "change.ipynb", CHANGE_CELLS)
     write_notebook(root / "stop.ipynb", STOP_CELLS)
+    for name in ("warm.ipynb", "warm-again.ipynb"):
+        write_notebook(root / name, WARM_CELLS, spec.DEFAULT_NAME, spec.DISPLAY_NAME)
 
     # This tree's build of the extension, whatever is installed in the environment.
     extensions = tmp_path / "labextensions"
@@ -184,8 +218,8 @@ def lab(tmp_path: Path, daemon: Client) -> Iterator[dict[str, Any]]:
         stop(proc)
 
 
-def test_sidebar_in_a_real_browser(lab: dict[str, Any], daemon: Client) -> None:
-    artifacts = UI_TESTS / "artifacts"
+def test_sidebar_in_a_real_browser(lab: dict[str, Any], daemon: Client, zygote: Path) -> None:
+    artifacts = Path(os.environ.get("OVERMIND_UI_ARTIFACTS") or UI_TESTS / "artifacts")
     env = dict(os.environ)
     env.update({
         "OVERMIND_UI_URL": lab["url"],
@@ -206,6 +240,10 @@ def test_sidebar_in_a_real_browser(lab: dict[str, Any], daemon: Client) -> None:
         f"{lab['log'].read_text()[-4000:]}")
     for name in ("light", "dark", "empty-light", "refreshed-light", "down-light"):
         assert (artifacts / f"sidebar-{name}.png").is_file()
+    assert (artifacts / "readme-sidebar.png").is_file()
+    # The browser started a zygote through a warm kernel and restarted it: a replacement
+    # serves, which has forked nothing yet.
+    assert [z["forks"] for z in spec.zygotes(zygote)] == [0]
     # The browser stopped the daemon from a kernel and started it again from the sidebar.
     assert daemon.status()["running"] is True
     assert daemon.entries() == []

@@ -5,7 +5,7 @@
 import { URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
 
-import { IEntry, IOvermindAPI, IStatus } from './types';
+import { IEntry, IOvermindAPI, IStatus, IZygote } from './types';
 
 /** Path of the API below the server's base URL. */
 export const API_PATH = 'overmind-lab/api/v1';
@@ -93,6 +93,18 @@ export class RestAPI implements IOvermindAPI {
 
   startDaemon(): Promise<IStatus> {
     return requestAPI<IStatus>(this._settings, 'daemon/start', { method: 'POST' });
+  }
+
+  async zygotes(): Promise<IZygote[]> {
+    const reply = await requestAPI<{ zygotes: IZygote[] }>(this._settings, 'zygotes');
+    return reply.zygotes;
+  }
+
+  async restartZygotes(): Promise<number[]> {
+    const reply = await requestAPI<{ restarted: number[] }>(this._settings, 'zygotes/restart', {
+      method: 'POST'
+    });
+    return reply.restarted;
   }
 
   private _settings: ServerConnection.ISettings;

@@ -10,17 +10,21 @@ import {
   formatAgo,
   formatBytes,
   formatDuration,
+  formatMilliseconds,
   formatSeconds,
   formatSpeedup,
   holdersLabel,
   memoryBar,
+  plural,
+  preloadSummary,
   shortName,
   sourceLabel,
-  timingBar
+  timingBar,
+  zygoteState
 } from './format';
 import { overmindIcon } from './icons';
 import { OvermindModel } from './model';
-import { IEntry, IStatus, SortKey } from './types';
+import { IEntry, IStatus, IZygote, SortKey } from './types';
 
 const SORT_LABELS: Record<SortKey, string> = {
   last_used: 'Last used',
@@ -121,7 +125,117 @@ export function OvermindPanel({ model, confirmEvictAll }: IPanelProps): JSX.Elem
       ) : (
         status && <EmptyState running={status.running} />
       )}
+      {status && <WarmKernels model={model} />}
     </div>
+  );
+}
+
+/** The warm-kernel zygotes: what each preloaded, what it costs, what it served. */
+function WarmKernels({ model }: { model: OvermindModel }): JSX.Element {
+  const zygotes = model.zygotes;
+  const busy = model.restartingZygotes || model.awaitingZygote;
+  return (
+    <section className="jp-OvermindLab-warm" aria-label="Warm kernels">
+      <div className="jp-OvermindLab-sectionHeader">
+        <h3 className="jp-OvermindLab-title">Warm kernels</h3>
+        {(zygotes.length > 0 || busy) && (
+          <button
+            type="button"
+            className="jp-Button jp-mod-styled jp-OvermindLab-restart"
+            aria-label="Restart the warm-kernel zygote"
+            title={
+              'Import the libraries again in a new zygote (after an upgrade); running ' +
+              'kernels keep working'
+            }
+            disabled={busy}
+            onClick={() => void model.restartZygotes()}
+          >
+            {busy ? 'Restarting…' : 'Restart'}
+          </button>
+        )}
+      </div>
+      {zygotes.length > 0 ? (
+        <ul className="jp-OvermindLab-zygotes" aria-label="Zygotes">
+          {zygotes.map(z => (
+            <ZygoteRow key={z.pid} zygote={z} restarting={model.isReplaced(z.pid)} />
+          ))}
+        </ul>
+      ) : model.awaitingZygote ? (
+        <div className="jp-OvermindLab-refreshing">
+          <div
+            className="jp-OvermindLab-progress"
+            role="progressbar"
+            aria-label="Restarting the zygote"
+            aria-busy="true"
+          />
+          <span>A new zygote is importing the libraries…</span>
+        </div>
+      ) : (
+        <div className="jp-OvermindLab-warmEmpty">
+          <p>
+            No zygote is running. Kernels forked from one start with torch, diffusers and
+            transformers already imported. Install the kernel:
+          </p>
+          <pre className="jp-OvermindLab-code">overmind-lab kernel install --sys-prefix</pre>
+          <p>
+            then pick <strong>Python 3 (warm, overmind-lab)</strong> for a notebook. Its first
+            launch starts the zygote.
+          </p>
+        </div>
+      )}
+    </section>
+  );
+}
+
+function ZygoteRow({ zygote, restarting }: { zygote: IZygote; restarting: boolean }): JSX.Element {
+  const state = zygoteState(zygote, restarting);
+  const modules = preloadSummary(zygote);
+  return (
+    <li
+      className={`jp-OvermindLab-zygote jp-mod-${state.kind}`}
+      data-pid={zygote.pid}
+      aria-label={`Zygote pid ${zygote.pid}, ${state.label}`}
+    >
+      <div className="jp-OvermindLab-zygoteHead">
+        <span className="jp-OvermindLab-dot" aria-hidden="true" />
+        <span className="jp-OvermindLab-zygoteName" title={`${zygote.python}\n${zygote.socket}`}>
+          Zygote · pid <span className="jp-OvermindLab-zygotePid">{zygote.pid}</span>
+        </span>
+        <span className="jp-OvermindLab-zygoteState" title={state.detail}>
+          {state.label}
+        </span>
+      </div>
+      <div className="jp-OvermindLab-entryStats">
+        <span
+          className="jp-OvermindLab-zygoteMemory"
+          title="RSS: memory the zygote maps; PSS: its share, with the pages its kernels share counted once"
+        >
+          RSS {formatBytes(zygote.rss_bytes)} · PSS {formatBytes(zygote.pss_bytes)}
+        </span>
+        <span className="jp-OvermindLab-zygoteForks" title="Kernels forked from it">
+          {plural(zygote.forks, 'fork')}
+        </span>
+        <span className="jp-OvermindLab-zygoteLastFork" title="How long the last fork took">
+          last fork {formatMilliseconds(zygote.last_fork_ms)}
+        </span>
+        <span title="Forked kernels still running">{plural(zygote.kernels, 'kernel')} running</span>
+        <span>up {formatDuration(zygote.uptime_seconds)}</span>
+      </div>
+      <details className="jp-OvermindLab-modules">
+        <summary title={modules}>{plural(zygote.preloaded, 'module')} preloaded</summary>
+        <div className="jp-OvermindLab-moduleList">{zygote.preload_roots.join(', ')}</div>
+      </details>
+      {zygote.refusal && (
+        <div className="jp-OvermindLab-refreshFailed" role="alert">
+          Not forking: {zygote.refusal}
+        </div>
+      )}
+      {zygote.failed.length > 0 && (
+        <div className="jp-OvermindLab-zygoteFailed" title={zygote.failed.join('\n')}>
+          Not preloaded: {zygote.failed.map(f => f.split(':')[0]).join(', ')}
+        </div>
+      )}
+    </li>
   );
 }
 

@@ -3,7 +3,7 @@
  * tests it directly.
  */
 
-import { IEntry, IStatus, SortKey } from './types';
+import { IEntry, IStatus, IZygote, SortKey } from './types';
 
 const BINARY_UNITS = ['B', 'KiB', 'MiB', 'GiB', 'TiB'];
 
@@ -209,4 +209,61 @@ export function holdersLabel(holders: readonly number[]): string {
     return 'no process';
   }
   return holders.length === 1 ? '1 process' : `${holders.length} processes`;
+}
+
+/** `'1 fork'`, `'3 forks'`; `many` for irregular plurals. */
+export function plural(n: number, one: string, many = `${one}s`): string {
+  return `${n} ${n === 1 ? one : many}`;
+}
+
+/** A short time in milliseconds, such as a fork: `3.14 -> '3.1 ms'`, `23.6 -> '24 ms'`. */
+export function formatMilliseconds(ms: number | null | undefined): string {
+  if (ms === null || ms === undefined || !Number.isFinite(ms)) {
+    return '–';
+  }
+  return ms < 10 ? `${Number(ms.toFixed(1))} ms` : `${Math.round(ms)} ms`;
+}
+
+/** What a zygote is doing, for its row: a label, a kind (for the colour) and why. */
+export interface IZygoteState {
+  kind: 'ready' | 'refusing' | 'restarting';
+  label: string;
+  /** The zygote's own reason (refusal, retiring), or what the state means. */
+  detail: string;
+}
+
+/**
+ * A zygote's state. `restarting` is true when this sidebar asked it to restart: it then
+ * stops forking at once, but is listed until its replacement has imported everything.
+ */
+export function zygoteState(
+  zygote: Pick<IZygote, 'refusal' | 'retiring'>,
+  restarting = false
+): IZygoteState {
+  if (zygote.retiring || restarting) {
+    return {
+      kind: 'restarting',
+      label: 'restarting',
+      detail:
+        `${zygote.retiring ?? 'restart requested'}: a replacement is importing the ` +
+        'libraries (kernels launched meanwhile start plainly); running kernels keep working'
+    };
+  }
+  if (zygote.refusal) {
+    return {
+      kind: 'refusing',
+      label: 'not forking',
+      detail: `Refuses to fork (${zygote.refusal}): kernels start plainly. Restart it.`
+    };
+  }
+  return { kind: 'ready', label: 'ready', detail: 'Forks a warm kernel on each launch or restart' };
+}
+
+/** What a zygote preloaded: `'1234 modules imported from 3 packages: diffusers, torch, …'`. */
+export function preloadSummary(zygote: Pick<IZygote, 'preloaded' | 'preload_roots'>): string {
+  const roots = zygote.preload_roots;
+  return (
+    `${plural(zygote.preloaded, 'module')} imported` +
+    (roots.length ? ` from ${plural(roots.length, 'package')}: ${roots.join(', ')}` : '')
+  );
 }

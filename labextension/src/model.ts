@@ -8,16 +8,25 @@
 import { ISignal, Signal } from '@lumino/signaling';
 
 import { sortEntries } from './format';
-import { IEntry, IOvermindAPI, IStatus, SortKey } from './types';
+import { IEntry, IOvermindAPI, IStatus, IZygote, SortKey } from './types';
 
 /** What is being done to an entry right now, from the user's side. */
 export type PendingAction = 'evict' | 'refresh';
+
+/** An action on the whole panel, one at a time each. */
+type PanelAction = 'start' | 'evict-all' | 'restart-zygotes';
 
 /** A message shown above the list until dismissed or replaced. */
 export interface INotice {
   kind: 'info' | 'error';
   text: string;
 }
+
+/**
+ * How long the sidebar waits for a restarted zygote's replacement (it imports torch,
+ * diffusers, transformers...) before it says the restart did not finish.
+ */
+export const ZYGOTE_RESTART_TIMEOUT_MS = 5 * 60 * 1000;
 
 /** A refresh this sidebar started, followed until the daemon says how it ended. */
 interface IWatchedRefresh {
@@ -66,14 +75,38 @@ export class OvermindModel {
     }
   }
 
+  /** The warm-kernel zygotes (empty when none runs). */
+  get zygotes(): IZygote[] {
+    return this._zygotes;
+  }
+
+  /** Whether a restart request for the zygotes is in flight. */
+  get restartingZygotes(): boolean {
+    return this._busy.has('restart-zygotes');
+  }
+
+  /**
+   * Whether a restart this sidebar asked for still waits for its replacement: the old
+   * zygote stops forking (and leaves the list) at once, the new one is listed when its
+   * imports are done.
+   */
+  get awaitingZygote(): boolean {
+    return this._replacing !== null;
+  }
+
+  /** Whether `pid` is a zygote this sidebar asked to restart (it is being replaced). */
+  isReplaced(pid: number): boolean {
+    return this._replacing?.pids.includes(pid) ?? false;
+  }
+
   /** Whether the daemon is starting at the user's request. */
   get starting(): boolean {
-    return this._starting;
+    return this._busy.has('start');
   }
 
   /** Whether an evict-all request is in flight. */
   get evictingAll(): boolean {
-    return this._evictingAll;
+    return this._busy.has('evict-all');
   }
 
   /** The user's action in flight on an entry, if any. */
@@ -102,14 +135,23 @@ export class OvermindModel {
     }
   }
 
-  /** Fetch status and entries. Rejects when the server cannot be reached (Poll backs off). */
+  /**
+   * Fetch status, entries and zygotes. Rejects when the server cannot be reached (Poll
+   * backs off).
+   */
   async update(): Promise<void> {
     try {
-      const [status, entries] = await Promise.all([this._api.status(), this._api.entries()]);
+      const [status, entries, zygotes] = await Promise.all([
+        this._api.status(),
+        this._api.entries(),
+        this._api.zygotes()
+      ]);
       this._status = status;
       this._entries = entries;
+      this._zygotes = zygotes;
       this._error = null;
       this._followRefreshes();
+      this._followZygoteRestart();
     } catch (reason) {
       this._error = messageOf(reason);
       throw reason;
@@ -119,17 +161,10 @@ export class OvermindModel {
   }
 
   async startDaemon(): Promise<void> {
-    this._starting = true;
-    this._changed.emit();
-    try {
+    await this._panelAct('start', 'Could not start the daemon', async () => {
       this._status = await this._api.startDaemon();
       this._notice = null;
-    } catch (reason) {
-      this._notice = { kind: 'error', text: `Could not start the daemon: ${messageOf(reason)}` };
-    } finally {
-      this._starting = false;
-    }
-    await this._settle();
+    });
   }
 
   async evict(key: string): Promise<void> {
@@ -160,17 +195,44 @@ export class OvermindModel {
   }
 
   async evictAll(): Promise<void> {
-    this._evictingAll = true;
-    this._changed.emit();
-    try {
+    await this._panelAct('evict-all', 'Evict all failed', async () => {
       const evicted = await this._api.evictAll();
       this._entries = [];
       const n = evicted.length;
       this._notice = { kind: 'info', text: `Evicted ${n} ${n === 1 ? 'entry' : 'entries'}.` };
+    });
+  }
+
+  /** Ask every zygote to restart (fresh imports); followed until the replacement is up. */
+  async restartZygotes(): Promise<void> {
+    await this._panelAct('restart-zygotes', 'Restart of the zygote failed', async () => {
+      const pids = await this._api.restartZygotes();
+      if (pids.length === 0) {
+        this._notice = { kind: 'info', text: 'No zygote was running: nothing to restart.' };
+      } else {
+        this._replacing = { pids, since: Date.now() };
+        this._notice = null;
+      }
+    });
+  }
+
+  /** Run an action on the whole panel; a failure becomes an error notice `failed: why`. */
+  private async _panelAct(
+    action: PanelAction,
+    failed: string,
+    run: () => Promise<void>
+  ): Promise<void> {
+    if (this._busy.has(action)) {
+      return; // a double click must not start it twice
+    }
+    this._busy.add(action);
+    this._changed.emit();
+    try {
+      await run();
     } catch (reason) {
-      this._notice = { kind: 'error', text: `Evict all failed: ${messageOf(reason)}` };
+      this._notice = { kind: 'error', text: `${failed}: ${messageOf(reason)}` };
     } finally {
-      this._evictingAll = false;
+      this._busy.delete(action);
     }
     await this._settle();
   }
@@ -230,6 +292,29 @@ export class OvermindModel {
     }
   }
 
+  /** End a zygote restart once a zygote other than the restarted ones serves. */
+  private _followZygoteRestart(): void {
+    const replacing = this._replacing;
+    if (replacing === null) {
+      return;
+    }
+    const fresh = this._zygotes.filter(z => !replacing.pids.includes(z.pid) && !z.retiring);
+    if (fresh.length > 0) {
+      this._replacing = null;
+      const pids = fresh.map(z => z.pid).join(', ');
+      this._notice = { kind: 'info', text: `Zygote restarted: now pid ${pids}.` };
+    } else if (Date.now() - replacing.since > ZYGOTE_RESTART_TIMEOUT_MS) {
+      this._replacing = null;
+      const minutes = Math.round(ZYGOTE_RESTART_TIMEOUT_MS / 60_000);
+      this._notice = {
+        kind: 'error',
+        text:
+          `No new zygote after ${minutes} min: its imports may have failed (see ` +
+          'zygote-*.log beside the daemon socket). The next warm-kernel launch starts one.'
+      };
+    }
+  }
+
   private _api: IOvermindAPI;
   private _changed = new Signal<this, void>(this);
   private _status: IStatus | null = null;
@@ -239,8 +324,9 @@ export class OvermindModel {
   private _sortBy: SortKey = 'last_used';
   private _pending = new Map<string, PendingAction>();
   private _watched = new Map<string, IWatchedRefresh>();
-  private _starting = false;
-  private _evictingAll = false;
+  private _zygotes: IZygote[] = [];
+  private _replacing: { pids: number[]; since: number } | null = null;
+  private _busy = new Set<PanelAction>();
 }
 
 /** The message of an error from the API (ServerConnection errors carry the server's). */

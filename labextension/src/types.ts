@@ -83,6 +83,41 @@ export interface IStatus {
   error?: string;
 }
 
+/**
+ * A warm-kernel zygote, as `GET zygotes` lists it (the objects of `overmind-lab kernel
+ * status --json`): a process that imported torch, diffusers, transformers... once and
+ * forks kernels.
+ */
+export interface IZygote {
+  pid: number;
+  /** Hash of the interpreter and its import-relevant environment. */
+  identity: string;
+  socket: string;
+  python: string;
+  /** How many third-party modules it imported (submodules included). */
+  preloaded: number;
+  /** Their top-level names (`torch`, `diffusers`, ...), sorted. */
+  preload_roots: string[];
+  /** Modules it could not preload, each with the reason. */
+  failed: string[];
+  /** Why it refuses to fork (threads, CUDA, zmq), or null when it forks. */
+  refusal: string | null;
+  /** Kernels forked so far. */
+  forks: number;
+  /** Duration of the last fork, or null before the first. */
+  last_fork_ms: number | null;
+  /** Forked kernels still running. */
+  kernels: number;
+  /** Pids of the Jupyter servers it serves. */
+  owners: number[];
+  uptime_seconds: number;
+  /** Why it no longer forks (replaced), or null. */
+  retiring: string | null;
+  /** Memory of the zygote process (`/proc/<pid>/smaps_rollup`); absent when unreadable. */
+  rss_bytes?: number;
+  pss_bytes?: number;
+}
+
 /** Everything the sidebar needs from the server extension. */
 export interface IOvermindAPI {
   status(): Promise<IStatus>;
@@ -91,6 +126,9 @@ export interface IOvermindAPI {
   evictAll(): Promise<string[]>;
   refresh(key: string): Promise<IEntry>;
   startDaemon(): Promise<IStatus>;
+  zygotes(): Promise<IZygote[]>;
+  /** Pids of the zygotes asked to restart (each starts a replacement and retires). */
+  restartZygotes(): Promise<number[]>;
 }
 
 /** How the entry list is ordered. */

@@ -13,7 +13,10 @@ import { OvermindPanel } from './components';
 import { formatBytes } from './format';
 import { OvermindModel } from './model';
 
-/** Seconds between polls while a refresh runs, so its progress is seen to end. */
+/**
+ * Seconds between polls while a refresh runs or a restarted zygote's replacement boots,
+ * so their end is seen.
+ */
 const REFRESH_POLL_SECONDS = 1;
 /** Longest back-off when the server does not answer. */
 const MAX_BACKOFF_SECONDS = 300;
@@ -89,7 +92,7 @@ export class OvermindSidebar extends ReactWidget {
   }
 
   private _frequency(): IPoll.Frequency {
-    const fast = this.model.hasRunningRefresh;
+    const fast = this.model.hasRunningRefresh || this.model.awaitingZygote;
     const seconds = fast ? Math.min(REFRESH_POLL_SECONDS, this._interval) : this._interval;
     return {
       interval: seconds * 1000,

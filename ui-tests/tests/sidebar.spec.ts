@@ -7,6 +7,10 @@
  *   again.ipynb     the same cells (a second kernel: a warm load)
  *   change.ipynb    saves new weights into models/unet (the model on disk changes)
  *   stop.ipynb      stops the daemon (Client().stop())
+ *   warm.ipynb, warm-again.ipynb
+ *                   print("WARM", pid) in the warm kernel ("Python 3 (warm, overmind-lab)",
+ *                   installed where the server finds it): the first launch is plain and
+ *                   starts the zygote, later ones are forked from it
  */
 import * as fs from 'fs';
 import * as path from 'path';
@@ -34,6 +38,20 @@ async function restEntries(request: APIRequestContext): Promise<IEntry[]> {
   const response = await request.get(`${API}entries`, { headers: auth });
   expect(response.ok()).toBeTruthy();
   return (await response.json()).entries as IEntry[];
+}
+
+interface IZygote {
+  pid: number;
+  preloaded: number;
+  preload_roots: string[];
+  forks: number;
+  retiring: string | null;
+}
+
+async function restZygotes(request: APIRequestContext): Promise<IZygote[]> {
+  const response = await request.get(`${API}zygotes`, { headers: auth });
+  expect(response.ok()).toBeTruthy();
+  return (await response.json()).zygotes as IZygote[];
 }
 
 async function restStatus(request: APIRequestContext): Promise<Record<string, unknown>> {
@@ -143,6 +161,8 @@ test('the sidebar shows, refreshes and evicts a model cached by a kernel', async
     await expect(panel.locator('.jp-OvermindLab-empty')).toContainText('%load_ext overmind_lab');
     await expect(panel.locator('.jp-OvermindLab-empty')).toContainText('%overmind_load');
     await expect(panel.locator('.jp-OvermindLab-memoryBar')).toBeVisible();
+    await expect(panel.locator('.jp-OvermindLab-warmEmpty')).toContainText('overmind-lab kernel install');
+    await expect(panel.locator('.jp-OvermindLab-warmEmpty')).toContainText('Python 3 (warm, overmind-lab)');
     await screenshots(page, panel, 'empty-light');
   });
 
@@ -188,11 +208,70 @@ test('the sidebar shows, refreshes and evicts a model cached by a kernel', async
     expect(entry.warm_seconds.length).toBe(1);
   });
 
+  await test.step('warm kernels: the first starts the zygote, the next is forked', async () => {
+    await runNotebook(page, 'warm.ipynb', 'WARM');
+    // The zygote imports torch, diffusers, transformers... before it is listed.
+    await expect
+      .poll(async () => (await restZygotes(request)).filter(z => !z.retiring).length, {
+        timeout: 300_000
+      })
+      .toBe(1);
+    await runNotebook(page, 'warm-again.ipynb', 'WARM');
+    const [zygote] = await restZygotes(request);
+    expect(zygote.forks).toBe(1);
+    panel = await showSidebar(page);
+  });
+
+  await test.step('the warm kernels section shows the zygote', async () => {
+    const [zygote] = await restZygotes(request);
+    expect(zygote.preloaded).toBeGreaterThan(0);
+    const zrow = panel.locator(`.jp-OvermindLab-zygote[data-pid="${zygote.pid}"]`);
+    await expect(zrow).toBeVisible();
+    await expect(zrow.locator('.jp-OvermindLab-zygoteName')).toHaveText(`Zygote · pid ${zygote.pid}`);
+    await expect(zrow.locator('.jp-OvermindLab-zygoteState')).toHaveText('ready');
+    await expect(zrow.locator('.jp-OvermindLab-zygoteMemory')).toHaveText(
+      /^RSS \d+(\.\d+)? (MiB|GiB) · PSS \d+(\.\d+)? (MiB|GiB)$/
+    );
+    await expect(zrow.locator('.jp-OvermindLab-zygoteForks')).toHaveText('1 fork');
+    await expect(zrow.locator('.jp-OvermindLab-zygoteLastFork')).toHaveText(/^last fork [\d.]+ ms$/);
+    await expect(zrow).toContainText('1 kernel running');
+    const modules = zrow.locator('.jp-OvermindLab-modules');
+    await expect(modules.locator('summary')).toHaveText(`${zygote.preloaded} modules preloaded`);
+    await expect(modules.locator('.jp-OvermindLab-moduleList')).toBeHidden();
+    await modules.locator('summary').click();
+    await expect(modules.locator('.jp-OvermindLab-moduleList')).toContainText('torch');
+    await modules.locator('summary').click();
+    await expect(modules.locator('.jp-OvermindLab-moduleList')).toBeHidden();
+  });
+
   await test.step('screenshots in the light and dark themes', async () => {
     await screenshots(page, panel, 'light');
+    // The README's picture (`make images`): the panel's content, without the empty rest.
+    await panel
+      .locator('.jp-OvermindLab-panel')
+      .screenshot({ path: path.join(ARTIFACTS, 'readme-sidebar.png') });
     await setTheme(page, 'JupyterLab Dark');
     await screenshots(page, panel, 'dark');
     await setTheme(page, 'JupyterLab Light');
+  });
+
+  await test.step('restart the zygote: a new one, with a new pid, replaces it', async () => {
+    const [old] = await restZygotes(request);
+    const restart = panel.getByRole('button', { name: 'Restart the warm-kernel zygote' });
+    await restart.click();
+    await expect(restart).toBeDisabled();
+    // The replacement imports everything again before it is listed.
+    const fresh = panel.locator(`.jp-OvermindLab-zygote:not([data-pid="${old.pid}"])`);
+    await expect(fresh).toHaveCount(1, { timeout: 300_000 });
+    await expect(panel.locator(`.jp-OvermindLab-zygote[data-pid="${old.pid}"]`)).toHaveCount(0);
+    await expect(fresh.locator('.jp-OvermindLab-zygoteState')).toHaveText('ready');
+    await expect(restart).toBeEnabled();
+    const zygotes = await restZygotes(request);
+    expect(zygotes.map(z => z.pid)).not.toContain(old.pid);
+    const pid = await fresh.getAttribute('data-pid');
+    expect(zygotes.map(z => String(z.pid))).toEqual([pid]);
+    await expect(panel.locator('.jp-OvermindLab-notice')).toContainText(`Zygote restarted: now pid ${pid}.`);
+    await panel.getByRole('button', { name: 'Dismiss message' }).click();
   });
 
   let newKey = '';

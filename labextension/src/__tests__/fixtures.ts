@@ -1,4 +1,4 @@
-import { IEntry, IOvermindAPI, IStatus } from '../types';
+import { IEntry, IOvermindAPI, IStatus, IZygote } from '../types';
 
 /** An entry as the daemon would list it, with overrides. */
 export function makeEntry(overrides: Partial<IEntry> = {}): IEntry {
@@ -25,6 +25,29 @@ export function makeEntry(overrides: Partial<IEntry> = {}): IEntry {
   };
 }
 
+/** A zygote as `GET zygotes` would list it, with overrides. */
+export function makeZygote(overrides: Partial<IZygote> = {}): IZygote {
+  return {
+    pid: 4321,
+    identity: '0123456789abcdef',
+    socket: '/tmp/overmind-test/zygote-0123456789abcdef.sock',
+    python: '/venv/bin/python',
+    preloaded: 2816,
+    preload_roots: ['diffusers', 'ipykernel', 'torch', 'transformers'],
+    failed: [],
+    refusal: null,
+    forks: 3,
+    last_fork_ms: 23.4,
+    kernels: 1,
+    owners: [77],
+    uptime_seconds: 600,
+    retiring: null,
+    rss_bytes: 734_003_200,
+    pss_bytes: 402_653_184,
+    ...overrides
+  };
+}
+
 /**
  * An in-memory stand-in for the server extension, for driving the model: it keeps entries
  * and answers like the REST routes do (evicting an unknown key rejects with the server's
@@ -33,6 +56,7 @@ export function makeEntry(overrides: Partial<IEntry> = {}): IEntry {
 export class MemoryAPI implements IOvermindAPI {
   running = true;
   entryList: IEntry[] = [];
+  zygoteList: IZygote[] = [];
   calls: string[] = [];
   /** When set, every call rejects with this error (the server is unreachable). */
   failure: Error | null = null;
@@ -87,6 +111,23 @@ export class MemoryAPI implements IOvermindAPI {
     this.check('start');
     this.running = true;
     return this.status();
+  }
+
+  async zygotes(): Promise<IZygote[]> {
+    this.check('zygotes');
+    return this.zygoteList.map(z => ({ ...z }));
+  }
+
+  /** Like the zygotes: each retires at once (unlisted); `bootReplacement` lists the new one. */
+  async restartZygotes(): Promise<number[]> {
+    this.check('restart-zygotes');
+    const pids = this.zygoteList.map(z => z.pid);
+    this.zygoteList = [];
+    return pids;
+  }
+
+  bootReplacement(pid: number): void {
+    this.zygoteList.push(makeZygote({ pid, forks: 0, last_fork_ms: null, kernels: 0 }));
   }
 
   find(key: string): IEntry {

@@ -2,18 +2,22 @@ import {
   formatAgo,
   formatBytes,
   formatDuration,
+  formatMilliseconds,
   formatSeconds,
   formatSpeedup,
   holdersLabel,
   memoryBar,
+  plural,
+  preloadSummary,
   shortName,
   sortEntries,
   sourceLabel,
   speedup,
-  timingBar
+  timingBar,
+  zygoteState
 } from '../format';
 import { IStatus } from '../types';
-import { makeEntry } from './fixtures';
+import { makeEntry, makeZygote } from './fixtures';
 
 describe('formatBytes', () => {
   it.each([
@@ -219,5 +223,42 @@ describe('sortEntries', () => {
     const input = [makeEntry({ key: 'zz' }), makeEntry({ key: 'mm' })];
     expect(sortEntries(input, 'hits').map(e => e.key)).toEqual(['mm', 'zz']);
     expect(input.map(e => e.key)).toEqual(['zz', 'mm']);
+  });
+});
+
+describe('warm-kernel zygotes', () => {
+  it('formats fork times in milliseconds', () => {
+    expect(formatMilliseconds(23.6)).toBe('24 ms');
+    expect(formatMilliseconds(3.14)).toBe('3.1 ms');
+    expect(formatMilliseconds(0.04)).toBe('0 ms');
+    expect(formatMilliseconds(null)).toBe('–');
+  });
+
+  it('counts in words', () => {
+    expect(plural(1, 'fork')).toBe('1 fork');
+    expect(plural(0, 'fork')).toBe('0 forks');
+    expect(plural(2, 'process', 'processes')).toBe('2 processes');
+  });
+
+  it('summarizes the preloaded modules with their packages', () => {
+    expect(preloadSummary(makeZygote({ preloaded: 2816, preload_roots: ['diffusers', 'torch'] })))
+      .toBe('2816 modules imported from 2 packages: diffusers, torch');
+    expect(preloadSummary(makeZygote({ preloaded: 1, preload_roots: [] }))).toBe(
+      '1 module imported'
+    );
+  });
+
+  it('is ready, not forking (with why), or restarting', () => {
+    expect(zygoteState(makeZygote()).kind).toBe('ready');
+    const refusing = zygoteState(makeZygote({ refusal: 'CUDA is initialized' }));
+    expect(refusing).toMatchObject({ kind: 'refusing', label: 'not forking' });
+    expect(refusing.detail).toContain('CUDA is initialized');
+    const retiring = zygoteState(makeZygote({ retiring: 'replaced on request' }));
+    expect(retiring).toMatchObject({ kind: 'restarting', label: 'restarting' });
+    expect(retiring.detail).toMatch(/^replaced on request: /);
+    // Asked to restart by this sidebar, before the zygote says it retires.
+    expect(zygoteState(makeZygote(), true).kind).toBe('restarting');
+    // A restart wins over an old refusal: the replacement is the fix.
+    expect(zygoteState(makeZygote({ refusal: 'threads' }), true).kind).toBe('restarting');
   });
 });

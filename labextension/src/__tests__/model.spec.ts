@@ -1,5 +1,5 @@
-import { OvermindModel } from '../model';
-import { makeEntry, MemoryAPI } from './fixtures';
+import { OvermindModel, ZYGOTE_RESTART_TIMEOUT_MS } from '../model';
+import { makeEntry, makeZygote, MemoryAPI } from './fixtures';
 
 function setup(): { api: MemoryAPI; model: OvermindModel; changes: () => number } {
   const api = new MemoryAPI();
@@ -205,5 +205,101 @@ describe('OvermindModel refresh of a call that cannot be replayed', () => {
     });
     expect(model.entries).toEqual([]);
     expect(model.hasRunningRefresh).toBe(false);
+  });
+});
+
+/** {@link setup}, and a first poll that lists a zygote of pid `pid`. */
+async function setupWithZygote(pid: number): Promise<ReturnType<typeof setup>> {
+  const ctx = setup();
+  ctx.api.zygoteList = [makeZygote({ pid })];
+  await ctx.model.update();
+  return ctx;
+}
+
+describe('OvermindModel warm-kernel zygotes', () => {
+  afterEach(() => {
+    jest.restoreAllMocks();
+  });
+
+  it('polls the zygotes with the status and entries', async () => {
+    const { api, model } = setup();
+    expect(model.zygotes).toEqual([]);
+    api.zygoteList = [makeZygote({ pid: 11 })];
+    await model.update();
+    expect(model.zygotes.map(z => z.pid)).toEqual([11]);
+    expect(api.calls).toEqual(['status', 'entries', 'zygotes']);
+    api.zygoteList = [];
+    await model.update();
+    expect(model.zygotes).toEqual([]);
+  });
+
+  it('restarts: waits (and says so) until the replacement is listed', async () => {
+    const { api, model } = await setupWithZygote(11);
+    const done = model.restartZygotes();
+    expect(model.restartingZygotes).toBe(true);
+    await done;
+    expect(api.calls).toContain('restart-zygotes');
+    expect(model.restartingZygotes).toBe(false);
+    // The old zygote left the list at once; the new one is still importing.
+    expect(model.zygotes).toEqual([]);
+    expect(model.awaitingZygote).toBe(true);
+    expect(model.isReplaced(11)).toBe(true);
+    expect(model.notice).toBeNull();
+    api.bootReplacement(12);
+    await model.update();
+    expect(model.awaitingZygote).toBe(false);
+    expect(model.isReplaced(11)).toBe(false);
+    expect(model.zygotes.map(z => z.pid)).toEqual([12]);
+    expect(model.notice).toEqual({ kind: 'info', text: 'Zygote restarted: now pid 12.' });
+  });
+
+  it('does not take the restarted zygote, still listed, for its replacement', async () => {
+    const { api, model } = await setupWithZygote(11);
+    await model.restartZygotes();
+    api.zygoteList = [makeZygote({ pid: 11, retiring: 'replaced on request' })];
+    await model.update();
+    expect(model.awaitingZygote).toBe(true);
+    expect(model.isReplaced(11)).toBe(true);
+  });
+
+  it('ignores a second click while the restart request runs', async () => {
+    const { api, model } = await setupWithZygote(11);
+    await Promise.all([model.restartZygotes(), model.restartZygotes()]);
+    expect(api.calls.filter(c => c === 'restart-zygotes')).toHaveLength(1);
+  });
+
+  it('says when there was nothing to restart', async () => {
+    const { model } = setup();
+    await model.update();
+    await model.restartZygotes();
+    expect(model.awaitingZygote).toBe(false);
+    expect(model.notice).toEqual({
+      kind: 'info',
+      text: 'No zygote was running: nothing to restart.'
+    });
+  });
+
+  it("shows the server's message when the restart fails", async () => {
+    const { api, model } = await setupWithZygote(11);
+    api.failure = new Error('Forbidden');
+    await model.restartZygotes();
+    expect(model.awaitingZygote).toBe(false);
+    expect(model.notice).toEqual({
+      kind: 'error',
+      text: 'Restart of the zygote failed: Forbidden'
+    });
+  });
+
+  it('gives up waiting for a replacement that never comes, saying where to look', async () => {
+    const { model } = await setupWithZygote(11);
+    const now = Date.now();
+    jest.spyOn(Date, 'now').mockReturnValue(now);
+    await model.restartZygotes();
+    expect(model.awaitingZygote).toBe(true);
+    jest.spyOn(Date, 'now').mockReturnValue(now + ZYGOTE_RESTART_TIMEOUT_MS + 1);
+    await model.update();
+    expect(model.awaitingZygote).toBe(false);
+    expect(model.notice?.kind).toBe('error');
+    expect(model.notice?.text).toMatch(/^No new zygote after 5 min: .*zygote-\*\.log/);
   });
 });
