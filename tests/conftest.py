@@ -118,3 +118,12 @@ def save_tiny_unet(path: Path, seed: int = 0) -> Path:
     )
     model.save_pretrained(path)
     return path
+
+
+def is_open(fd: int) -> bool:
+    """Whether ``fd`` is an open descriptor of this process."""
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from overmind_lab._daemon.index import Entry, Index, Segment, TooLarge
+from tests.conftest import is_open
 
 
 def segment(sid: str, size: int) -> Segment:
@@ -22,14 +23,6 @@ def segment(sid: str, size: int) -> Segment:
 def entry(key: str, own: list[str], shared: list[str] | None = None) -> Entry:
     return Entry(key=key, name=f"name-{key}", cls="C", callable="m:f", source=None, own=own,
                  shared=shared or [], meta={}, tensors=0, cold_seconds=1.0, store_seconds=0.1)
-
-
-def is_open(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-    except OSError:
-        return False
-    return True
 
 
 def release(seg: Segment) -> None:

@@ -15,20 +15,13 @@ import pytest
 
 from overmind_lab._common.protocol import MAX_FRAME, Channel, _FrameReader, encode
 from overmind_lab._errors import ProtocolError
+from tests.conftest import is_open
 
 
 def memfd(tag: str) -> int:
     fd = os.memfd_create(f"olt-protocol-{tag}", os.MFD_CLOEXEC)
     os.write(fd, tag.encode())
     return fd
-
-
-def is_open(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-    except OSError:
-        return False
-    return True
 
 
 def same_file(a: int, b: int) -> bool:

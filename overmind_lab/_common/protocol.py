@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 
 from overmind_lab._errors import ProtocolError
 
-__all__ = ["Channel", "AsyncChannel", "Frame", "MAX_FRAME", "MAX_FDS"]
+__all__ = ["Channel", "AsyncChannel", "Frame", "MAX_FRAME", "MAX_FDS", "bind_private"]
 
 _HEADER = struct.Struct(">I")
 MAX_FRAME = 64 * 1024 * 1024
@@ -208,3 +208,17 @@ class AsyncChannel:
     def close(self) -> None:
         self._reader.close_fds()
         self.sock.close()
+
+
+def bind_private(sock: socket.socket, path: str, backlog: int) -> None:
+    """Bind ``sock`` at ``path`` with mode 0600 from the start, and listen.
+
+    The umask, not a ``chmod`` after ``bind``: between the two another user could connect.
+    The umask is process-wide, so this runs before the process starts threads.
+    """
+    old = os.umask(0o177)
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old)
+    sock.listen(backlog)

@@ -26,6 +26,7 @@ from overmind_lab._common.naming import (
     runtime_dir,
     socket_path,
 )
+from overmind_lab._common.protocol import bind_private
 from overmind_lab._common.sizes import parse_size
 from overmind_lab._daemon.server import Daemon, default_budget
 from overmind_lab._daemon.store import CacheDirRefused, check_cache_dir
@@ -54,12 +55,7 @@ def _bind(path: Path) -> socket.socket:
         path.unlink()  # stale: we hold the lifetime lock, so its daemon is gone
     except FileNotFoundError:
         pass
-    old = os.umask(0o177)
-    try:
-        sock.bind(str(path))
-    finally:
-        os.umask(old)
-    sock.listen(128)
+    bind_private(sock, str(path), 128)
     return sock
 
 

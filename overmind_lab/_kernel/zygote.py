@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from overmind_lab._common.protocol import Channel
+from overmind_lab._common.protocol import Channel, bind_private
 from overmind_lab._kernel import preload
 from overmind_lab._kernel.naming import ZYGOTE_ONLY_ENV, ZygotePaths, identity
 
@@ -229,12 +229,7 @@ def _do_preload(paths: ZygotePaths) -> tuple[list[str], list[str]]:
 def _bind(paths: ZygotePaths) -> tuple[socket.socket, Path]:
     tmp = paths.socket.with_name(f"{paths.socket.name}.{os.getpid()}")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    old = os.umask(0o177)
-    try:
-        sock.bind(str(tmp))
-    finally:
-        os.umask(old)
-    sock.listen(64)
+    bind_private(sock, str(tmp), 64)
     return sock, tmp
 
 
