@@ -34,7 +34,10 @@ $(INSTALLED): $(PY) $(BUILD_INPUTS)
 	$(PIP) install -c $(CONSTRAINTS) -e '.[dev]'
 	touch $@
 
+# The warm kernelspec goes into the venv, so that `jupyter lab` from it offers the kernel the
+# example notebook asks for (restarts forked from a zygote with torch and diffusers imported).
 demo: install
+	$(PY) -m overmind_lab kernel install --sys-prefix
 	$(PY) examples/demo.py
 
 # The README's benchmark chart, docs/images/bench.svg, from a benchmark run of the cases in
