@@ -29,6 +29,8 @@ __all__ = ["JupyterServer", "WsKernel", "free_port"]
 
 SERVER_START_TIMEOUT = 60.0
 REQUEST_TIMEOUT = 30.0
+#: Deleting a kernel at cleanup waits no longer (the server's stop kills what is left).
+CLOSE_TIMEOUT = 30.0
 
 
 def free_port() -> int:
@@ -218,4 +220,4 @@ class WsKernel:
                 self.ws.close()
             self.ws = None
         with contextlib.suppress(Exception):
-            self.server.request("DELETE", f"api/kernels/{self.id}", timeout=self.timeout)
+            self.server.request("DELETE", f"api/kernels/{self.id}", timeout=CLOSE_TIMEOUT)
