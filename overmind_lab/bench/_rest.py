@@ -49,6 +49,10 @@ def make_entry(i: int) -> dict[str, Any]:
 
 
 def _populate(count: int) -> None:
+    # imported before the first load: importing torch inside it seeds its generator, which
+    # that load would be taken to draw random numbers (and left uncached)
+    import torch  # noqa: F401
+
     import overmind_lab
 
     for i in range(count):
