@@ -217,7 +217,8 @@ def _restarts(lab: _Lab, name: str, cell: str, repeat: int, progress: Progress) 
     for kind in ("plain", "warm"):
         k = lab.kernel(f"bench-{kind}")
         try:
-            progress(f"warm-kernel: {name} {kind}: first cell (fills the cache)")
+            progress(f"warm-kernel: {name} {kind}: first cell "
+                     f"({'fills the cache' if kind == 'plain' else 'the zygote learns its imports'})")
             k.execute(cell)
             if kind == "warm":
                 from overmind_lab._kernel.spec import restart_zygotes
