@@ -21,7 +21,7 @@ BUILD_INPUTS := pyproject.toml $(CONSTRAINTS) $(MODULE_LIST) CMakeLists.txt $(wi
 	package.json yarn.lock tsconfig.json $(shell find labextension/src labextension/style \
 	labextension/schema jupyter-config -type f 2>/dev/null)
 
-.PHONY: install demo test test-python test-js test-ui ui-deps lint clean images
+.PHONY: install demo test test-python test-js test-ui ui-deps lint clean images images-bench
 
 install: $(INSTALLED)
 
@@ -34,8 +34,24 @@ $(INSTALLED): $(PY) $(BUILD_INPUTS)
 	$(PIP) install -c $(CONSTRAINTS) -e '.[dev]'
 	touch $@
 
+# The warm kernelspec goes into the venv, so that `jupyter lab` from it offers the kernel the
+# example notebook asks for (restarts forked from a zygote with torch and diffusers imported).
 demo: install
+	$(PY) -m overmind_lab kernel install --sys-prefix
 	$(PY) examples/demo.py
+
+# The README's benchmark chart, docs/images/bench.svg, from a benchmark run of the cases in
+# BENCH_ONLY (default: the warm-kernel case and the SD 1.5 fp16 UNet and pipeline loads, about
+# 30 minutes on 2 shared cores; BENCH_ONLY=all runs every case, hours). The models are built
+# once under ~/.cache/overmind-lab-bench/models.
+BENCH_ONLY ?= warm-kernel,unet-fp16,pipeline-fp16
+BENCH_OUT ?= bench-results
+images-bench: install
+	nice $(PY) -m overmind_lab bench --out $(BENCH_OUT) \
+		$(if $(filter all,$(BENCH_ONLY)),,--only $(BENCH_ONLY))
+	$(PY) -m overmind_lab.bench._chart $(BENCH_OUT)/results.json docs/images/bench.svg \
+		$(if $(filter all,$(BENCH_ONLY)),,--note "Only these cases were run: make images-bench \
+		BENCH_ONLY=all runs every case.")
 
 # Browser-test prerequisites: Debian's chromium and Playwright (which must not download
 # a browser of its own).

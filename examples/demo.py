@@ -83,6 +83,26 @@ def run_child(path: Path, dtype: str) -> dict[str, Any]:
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
+def warm_kernel_note() -> str:
+    """How the notebook's kernel restarts get their imports done too: the warm kernelspec
+    (which the notebook asks for) if it is installed, else how to install it."""
+    try:
+        from jupyter_client.kernelspec import KernelSpecManager
+
+        from overmind_lab._kernel.spec import DEFAULT_NAME, DISPLAY_NAME
+
+        installed = DEFAULT_NAME in KernelSpecManager().find_kernel_specs()
+    except ImportError:
+        return "Install jupyter_client and ipykernel to run the notebook."
+    if installed:
+        return (f"It runs in the warm kernel \"{DISPLAY_NAME}\" (installed): after a\n"
+                f"restart the kernel is forked from a zygote that imported torch and diffusers\n"
+                f"already, so the load cell right after a restart skips the imports too.")
+    return (f"The notebook asks for the warm kernel \"{DISPLAY_NAME}\" (restarts with the\n"
+            f"imports done); it is not installed, so Jupyter offers another Python 3 kernel.\n"
+            f"Install it with: {sys.executable} -m overmind_lab kernel install --sys-prefix")
+
+
 def forget(client: Any, path: Path) -> int:
     """Evict earlier entries of this model, so that the first run really is cold."""
     evicted = 0
@@ -167,6 +187,8 @@ still pays.
 Next, the notebook (cold vs warm with %timeit, a kernel restart, the cache panel):
 
     {sys.executable} -m jupyter lab {HERE / 'cold_vs_warm.ipynb'}
+
+{warm_kernel_note()}
 
 The daemon keeps the pipeline until it is evicted or stopped: the notebook's first load
 of {path} is warm already.

@@ -221,3 +221,95 @@ def test_a_terminated_bench_stops_its_processes_and_writes_what_it_has(tmp_path:
                 os.kill(pid, 9)
         proc.wait(timeout=30)
         log.close()
+
+
+def _marked(marker: str) -> list[int]:
+    """Live processes whose command line contains ``marker``."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                cmd = (entry / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if marker in cmd and _alive(int(entry.name)):
+                out.append(int(entry.name))
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_quick_warm_kernel_case_through_a_jupyter_server(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    # a small preload set: the zygote boots in seconds (the production set in a full run)
+    env = dict(os.environ, OVERMIND_LAB_SOCKET=str(tmp_path / "user-run" / "daemon.sock"),
+               OVERMIND_LAB_PRELOAD="torch,numpy,threadpoolctl,IPython,ipykernel,"
+                                    "ipykernel.kernelapp,ipykernel.ipkernel,overmind_lab")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "overmind_lab", "bench", "--quick", "--repeat", "1",
+         "--out", str(out), "--models-dir", str(tmp_path / "models"), "--only", "warm-kernel"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    seen: set[int] = set()
+    try:
+        deadline = time.monotonic() + 540
+        while proc.poll() is None and time.monotonic() < deadline:
+            seen |= _descendants(proc.pid)
+            time.sleep(0.5)
+        stdout, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 0, f"exit {proc.returncode}\n{stdout}\n{stderr[-6000:]}"
+        assert "warm-kernel: jupyter server up on port" in stderr  # progress lines
+
+        results = json.loads((out / "results.json").read_text(encoding="utf-8"))
+        assert results["errors"] == []
+        wk = results["warm_kernel"]
+        for name in ("sd15", "llama"):
+            for kind in ("plain", "warm"):
+                run = wk[name][kind]
+                assert run["restart_seconds"] > 0 and run["cell_seconds"] > 0
+                assert len(run["restart_all"]) == len(run["cell_all"]) == 1
+            assert wk[name]["warm"]["forked"] == [True]
+            assert wk[name]["plain"]["forked"] == [False]
+            assert wk[name]["ratios"]["cell_warm_over_plain"] > 0
+        pss = wk["pss"]
+        assert pss["warm_forked"] == [True] * pss["kernels"]
+        assert pss["plain_forked"] == [False] * pss["kernels"]
+        assert pss["plain_sum_bytes"] > 0 and pss["warm_sum_bytes"] > 0
+        assert pss["zygote_pss_bytes"] > 0 and pss["warm_in_plain_kernels"] > 0
+        targets = {t["id"]: t for t in results["targets"]}
+        for tid in ("wk_sd_cell", "wk_sd_cell_ratio", "wk_llama_cell", "wk_pss"):
+            assert targets[tid]["value"] is not None and targets[tid]["passed"] is not None
+        assert "## Warm kernels" in (out / "results.md").read_text(encoding="utf-8")
+
+        # nothing it started is left: server, kernels, zygotes, daemon
+        for pid in [wk["server_pid"], *wk["zygote_pids"], results["meta"]["daemon_pid"]]:
+            assert not _alive(pid), pid
+        assert _marked(wk["dir"]) == []
+        left = [p for p in seen if _alive(p)]
+        assert not left, f"still running after the benchmark ended: {left}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+        for pid in seen:
+            if _alive(pid):
+                os.kill(pid, 9)
+
+
+def test_the_chart_is_an_svg_of_the_results() -> None:
+    from overmind_lab.bench import _chart
+
+    case = {"title": "UNet fp16 -> fp16", "stats": {
+        "plain": {"load": {"median": 2.0}}, "first": {"load": {"median": 4.0}},
+        "warm": {"load": {"median": 0.05}}}}
+    kind = {"restart_seconds": 1.5, "cell_seconds": 20.0}
+    results = {"meta": {"cases": ["unet-fp16", "warm-kernel"], "repeat": 5, "cpus": 2},
+               "cases": {"unet-fp16": case},
+               "warm_kernel": {"sd15": {"plain": kind, "warm": {**kind, "cell_seconds": 0.5}},
+                               "llama": {"plain": kind, "warm": {**kind, "cell_seconds": 0.1}},
+                               "pss": {"kernels": 4, "plain_sum_bytes": 4 << 30,
+                                       "warm_sum_bytes": 1 << 30, "zygote_pss_bytes": 1 << 28,
+                                       "warm_in_plain_kernels": 1.0}}}
+    svg = _chart.render(results, note="a note")
+    assert svg.startswith("<svg ") and svg.rstrip().endswith("</svg>")
+    assert svg.count("<rect") >= 1 + 3 + 6 + 3  # background, load bars, kernel bars, legend
+    for text in ("UNet fp16 → fp16", "500 ms", "20.0 s", "100 ms", "a note", "1024 MiB"):
+        assert text in svg, text

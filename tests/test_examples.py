@@ -94,3 +94,10 @@ def test_the_demo_prints_cold_then_warm(example_env: Path, daemon: Client) -> No
     assert "x faster" in out[header + 3]
     assert first[-2:] == second[-2:]  # the daemon stored nothing in the warm run
     assert any("jupyter lab" in line and "cold_vs_warm.ipynb" in line for line in out)
+    assert any("warm kernel" in line for line in out)  # installed, or how to install it
+
+
+def test_the_notebook_asks_for_the_warm_kernel() -> None:
+    nb = nbformat.read(EXAMPLES / "cold_vs_warm.ipynb", as_version=4)
+    assert nb.metadata.kernelspec.name == "overmind-lab-warm"
+    assert nb.metadata.kernelspec.language == "python"

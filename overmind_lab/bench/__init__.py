@@ -16,7 +16,11 @@ loop; and ``GET overmind-lab/api/v1/entries`` through a real Jupyter server with
 entries (``rest-entries``, target median <= 50 ms); and ``decoding``: tokens per second of
 speculative decoding, self-speculative decoding and early exit on the trained byte-level
 pair of ``examples/decoding`` (trained once under ``--models-dir``, about 10 minutes;
-target: best K >= 1.5x greedy). Writes ``results.json``, ``results.md`` and ``results.png`` under ``--out``.
+target: best K >= 1.5x greedy); and ``warm-kernel``: plain vs warm kernels (forked from the
+zygote) through a real Jupyter server, restart to the first ``kernel_info_reply`` and the SD
+1.5 and Llama 1.1B load cells right after a restart (targets: SD cell <= 1 s and <= 0.15x
+plain, Llama cell <= 0.5 s), and the summed PSS of 4 idle kernels (below 2 plain kernels).
+Writes ``results.json``, ``results.md`` and ``results.png`` under ``--out``.
 
 By default a private daemon on a temporary socket is used (and stopped at the end), so
 the user's cache is never disturbed; ``--socket`` uses an existing daemon instead.
@@ -74,8 +78,9 @@ def add_parser(subparsers: Any) -> None:
         description=("Benchmark plain from_pretrained vs the first and the warm load through "
                      "the cache, each in fresh processes, on random-weight models with the real "
                      "Stable Diffusion 1.5 architectures (built once under --models-dir); also "
-                     "the PSS of 4 processes holding the UNet, a correctness check and the "
-                     "Jupyter kernel-restart loop. Writes results.json, results.md and "
+                     "the PSS of 4 processes holding the UNet, a correctness check, the "
+                     "Jupyter kernel-restart loop and warm vs plain kernels through a real "
+                     "Jupyter server. Writes results.json, results.md and "
                      "results.png under --out. Uses a private temporary daemon unless --socket "
                      "is given."),
     )

@@ -82,6 +82,9 @@ EXTRA_CASES = {
     "kernel-restart": "Jupyter kernel restart: the pipeline load cell, cold vs warm (ipykernel)",
     "rest-entries": "GET <base_url>/overmind-lab/api/v1/entries through a real Jupyter server "
                     "with 100 cache entries (no model needed)",
+    "warm-kernel": "kernel restarts through a real Jupyter server, plain vs warm kernel "
+                   "(forked from the zygote): restart latency, the SD 1.5 and Llama 1.1B load "
+                   "cells after a restart, PSS of 4 idle kernels",
     "decoding": "speculative decoding and early exit on the decoding example's trained pair: "
                 "tokens per second per method (trains the pair once under --models-dir)",
 }
@@ -95,6 +98,8 @@ _GROUPS = {
 #: The case whose model the PSS and kernel-restart measurements use.
 PSS_CASE = "unet-fp32-as-fp16"
 KERNEL_CASE = "pipeline-fp32-as-fp16"
+#: The pipeline the warm-kernel case loads (fp16 stored, loaded fp16).
+WARM_KERNEL_MODEL = "fp16"
 
 
 def select(only: list[str] | None) -> list[str]:
@@ -138,6 +143,8 @@ def needed_models(names: list[str]) -> list[str]:
         needed.add(by_name[PSS_CASE].model)
     if "kernel-restart" in names:
         needed.add(by_name[KERNEL_CASE].model)
+    if "warm-kernel" in names:
+        needed |= {WARM_KERNEL_MODEL, "llama"}
     needed |= {_DERIVED_FROM[k] for k in needed if k in _DERIVED_FROM}
     return sorted(needed, key=lambda k: (k in _DERIVED_FROM, k))
 

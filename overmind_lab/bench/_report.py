@@ -46,9 +46,19 @@ TARGETS: list[tuple[str, str, float]] = [
     ("correct", "warm object == plain load (type, bytes, requires_grad, mode, dtype, device)", 1.0),
     ("rest_entries", "GET entries with 100 entries (median, ms)", 50.0),
     ("decoding_speedup", "tokens/s, greedy speculative decoding (best K) / greedy", 1.5),
+    ("wk_sd_cell", "SD 1.5 pipeline cell right after a kernel restart, warm kernel, warm cache "
+                   "(median, s)", 1.0),
+    ("wk_sd_cell_ratio", "SD 1.5 pipeline cell after a restart, warm kernel / plain kernel", 0.15),
+    ("wk_llama_cell", "Llama 1.1B bf16 cell right after a kernel restart, warm kernel (median, s)",
+     0.5),
+    ("wk_pss", "summed PSS of 4 idle warm kernels, in plain kernels (below)", 2.0),
 ]
 #: Targets whose value and limit are milliseconds (the others are ratios).
 MS_TARGETS = {"rest_entries"}
+#: Targets whose value and limit are seconds.
+S_TARGETS = {"wk_sd_cell", "wk_llama_cell"}
+#: Targets the value must stay strictly below.
+BELOW_TARGETS = {"wk_pss"}
 #: Targets that are speedups: the value must reach the limit (the others stay below it).
 X_TARGETS = {"decoding_speedup"}
 
@@ -126,6 +136,7 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         "pipe_fp16_warm": cases.get("pipeline-fp16", {}).get("ratios", {}).get("warm_over_plain"),
         "rest_entries": _rest_median_ms(results),
         "decoding_speedup": (results.get("decoding") or {}).get("speedup"),
+        **_warm_kernel_values(results.get("warm_kernel") or {}),
     }
     checks = [c.get("check") for c in cases.values()] + [
         (results.get("pss") or {}).get("check")]
@@ -138,12 +149,32 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             passed = None if value is None else value == 1.0
         elif tid in X_TARGETS:
             passed = None if value is None else value >= limit
+        elif tid in BELOW_TARGETS:
+            passed = None if value is None else value < limit
         else:
             passed = None if value is None else value <= limit
         out.append({"id": tid, "description": description, "value": value, "limit": limit,
-                    "unit": "ms" if tid in MS_TARGETS else "x" if tid in X_TARGETS else None,
+                    "unit": _unit(tid),
                     "passed": passed})
     return out
+
+
+def _unit(tid: str) -> str | None:
+    if tid in MS_TARGETS:
+        return "ms"
+    if tid in S_TARGETS:
+        return "s"
+    return "x" if tid in X_TARGETS else None
+
+
+def _warm_kernel_values(wk: dict[str, Any]) -> dict[str, float | None]:
+    if not wk or wk.get("error"):
+        return {}
+    sd, llama, pss = wk.get("sd15", {}), wk.get("llama", {}), wk.get("pss", {})
+    return {"wk_sd_cell": sd.get("warm", {}).get("cell_seconds"),
+            "wk_sd_cell_ratio": sd.get("ratios", {}).get("cell_warm_over_plain"),
+            "wk_llama_cell": llama.get("warm", {}).get("cell_seconds"),
+            "wk_pss": pss.get("warm_in_plain_kernels")}
 
 
 def _rest_median_ms(results: dict[str, Any]) -> float | None:
@@ -217,8 +248,12 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
         elif t.get("unit") == "ms":
             measured = "-" if t["value"] is None else f"{t['value']:.1f} ms"
             limit = f"≤ {t['limit']:g} ms"
+        elif t.get("unit") == "s":
+            measured = "-" if t["value"] is None else f"{t['value']:.2f} s"
+            limit = f"≤ {t['limit']:g} s"
         else:
-            measured, limit = _x(t["value"], 4), f"≤ {t['limit']:g}"
+            measured = _x(t["value"], 4)
+            limit = f"{'<' if t['id'] in BELOW_TARGETS else '≤'} {t['limit']:g}"
         mark = "n/a" if t["passed"] is None else ("pass" if t["passed"] else "**FAIL**")
         lines.append(f"| {t['description']} | {measured} | {limit} | {mark} |")
 
@@ -339,6 +374,8 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
                 f"{'pass' if rest.get('passed') else '**FAIL**'} |",
             ]
 
+    lines += _warm_kernel_markdown(results.get("warm_kernel"))
+
     if results.get("decoding"):
         from overmind_lab.bench._decoding import markdown
 
@@ -356,6 +393,39 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
               "Models: random weights with the real Stable Diffusion 1.5 architectures "
               "(`overmind_lab.bench.models`).", ""]
     path.write_text("\n".join(lines), encoding="utf-8")
+
+
+def _warm_kernel_markdown(wk: dict[str, Any] | None) -> list[str]:
+    if not wk:
+        return []
+    lines = ["", "## Warm kernels: restarts through a real Jupyter server (plain vs warm kernel)", ""]
+    if wk.get("error"):
+        return lines + [f"Not measured: {wk['error']}"]
+    lines += [f"`POST api/kernels/<id>/restart`, then a new websocket and `kernel_info` (what "
+              f"JupyterLab does); the load cell (`%overmind_load`, imports included, warm "
+              f"cache) right after. Medians of {wk.get('repeat')} restarts per kernelspec.", "",
+              "| model | restart -> kernel_info_reply, plain | warm | cell after restart, plain "
+              "| warm | warm/plain (cell) | forked |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | :---: |"]
+    for name, title in (("sd15", "SD 1.5 pipeline fp16"), ("llama", "Llama 1.1B bf16")):
+        c = wk.get(name) or {}
+        plain, warm = c.get("plain", {}), c.get("warm", {})
+        forked = warm.get("forked") or []
+        lines.append(f"| {title} | {_s(plain.get('restart_seconds'))} | "
+                     f"{_s(warm.get('restart_seconds'))} | {_s(plain.get('cell_seconds'))} | "
+                     f"{_s(warm.get('cell_seconds'))} | "
+                     f"{_x(c.get('ratios', {}).get('cell_warm_over_plain'))} | "
+                     f"{sum(forked)}/{len(forked)} |")
+    p = wk.get("pss") or {}
+    if p:
+        mib = 2**20
+        lines += ["", f"Summed PSS of {p.get('kernels')} idle kernels (torch, diffusers, "
+                      f"transformers imported): plain {p['plain_sum_bytes'] / mib:.0f} MiB, warm "
+                      f"{p['warm_sum_bytes'] / mib:.0f} MiB = **{p['warm_in_plain_kernels']:.2f}** "
+                      f"plain kernels (target below 2); with the zygote's own "
+                      f"{p['zygote_pss_bytes'] / mib:.0f} MiB: "
+                      f"{p['warm_with_zygote_in_plain_kernels']:.2f} plain kernels."]
+    return lines
 
 
 def _ms(value: float | None) -> str:

@@ -18,22 +18,17 @@ imports torch only inside :func:`make_entry`, in the child.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
-import secrets
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from overmind_lab.bench._server import JupyterServer
 
 __all__ = ["ENTRIES", "LIMIT_SECONDS", "make_entry", "run_rest_entries"]
 
@@ -43,8 +38,7 @@ LIMIT_SECONDS = 0.050
 WARMUP = 3
 REQUESTS = 50
 BASE_URL = "/bench/"
-SERVER_START_TIMEOUT = 60.0
-REQUEST_TIMEOUT = 30.0
+_EXTENSION = "--ServerApp.jpserver_extensions={'overmind_lab._jupyter.server': True}"
 
 
 def make_entry(i: int) -> dict[str, Any]:
@@ -55,16 +49,14 @@ def make_entry(i: int) -> dict[str, Any]:
 
 
 def _populate(count: int) -> None:
+    # imported before the first load: importing torch inside it seeds its generator, which
+    # that load would be taken to draw random numbers (and left uncached)
+    import torch  # noqa: F401
+
     import overmind_lab
 
     for i in range(count):
         overmind_lab.load(make_entry, i)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -72,69 +64,6 @@ def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     rank = max(1, math.ceil(q / 100 * len(ordered)))
     return ordered[rank - 1]
-
-
-class _Server:
-    """A ``jupyter server`` in its own process group, stopped by :meth:`stop`."""
-
-    def __init__(self, env: dict[str, str], log_path: Path) -> None:
-        self.port = _free_port()
-        self.token = secrets.token_hex(24)
-        self.root = f"http://127.0.0.1:{self.port}{BASE_URL}"
-        self.log_path = log_path
-        self.env = env
-        self.proc: subprocess.Popen[bytes] | None = None
-        # localhost requests must never go through a proxy from the environment
-        self.opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-    def start(self, timeout: float = SERVER_START_TIMEOUT) -> float:
-        """Start the server and wait until it answers; returns the seconds that took."""
-        cmd = [sys.executable, "-m", "jupyter_server", "--no-browser", "--allow-root",
-               f"--port={self.port}", "--ip=127.0.0.1", f"--ServerApp.token={self.token}",
-               f"--ServerApp.base_url={BASE_URL}", "--ServerApp.port_retries=0",
-               "--ServerApp.jpserver_extensions={'overmind_lab._jupyter.server': True}"]
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        t0 = time.perf_counter()
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                         env=self.env, close_fds=True, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        url = f"{self.root}api/status?token={self.token}"
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"jupyter server exited with {self.proc.returncode} "
-                                   f"before answering; see {self.log_path}")
-            with contextlib.suppress(OSError, urllib.error.URLError):
-                with self.opener.open(url, timeout=2.0) as resp:
-                    if resp.status == 200:
-                        return time.perf_counter() - t0
-            time.sleep(0.2)
-        raise RuntimeError(f"jupyter server did not answer {BASE_URL}api/status within "
-                           f"{timeout:.0f} s; see {self.log_path}")
-
-    def get(self, path: str) -> tuple[float, bytes]:
-        """``GET`` a path under the base URL; returns (seconds, body)."""
-        req = urllib.request.Request(self.root + path,
-                                     headers={"Authorization": f"token {self.token}"})
-        t0 = time.perf_counter()
-        with self.opener.open(req, timeout=REQUEST_TIMEOUT) as resp:
-            body = resp.read()
-        return time.perf_counter() - t0, body
-
-    def stop(self) -> None:
-        """Terminate the server's process group (SIGTERM, then SIGKILL after 10 s)."""
-        if self.proc is None:
-            return
-        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
-            if self.proc.poll() is not None:
-                break
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, sig)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=wait)
-        # anything the server left in its group (it was started in a new session)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
 
 
 def _count(body: bytes) -> int:
@@ -169,7 +98,8 @@ def run_rest_entries(env: dict[str, str], evict_all: Callable[[], object],
     if stored != entries:
         raise RuntimeError(f"the daemon holds {stored} entries after storing {entries}")
 
-    server = _Server(env, log_dir / "rest-entries-server.log")
+    server = JupyterServer(env, log_dir / "rest-entries-server.log", base_url=BASE_URL,
+                           extra_args=(_EXTENSION,))
     try:
         out["server_start_seconds"] = server.start()
         progress(f"rest-entries: jupyter server up on port {server.port} "

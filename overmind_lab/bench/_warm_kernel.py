@@ -1,39 +1,50 @@
-"""The warm-kernel case: kernel restarts, plain vs warm (forked from the zygote).
+"""The ``warm-kernel`` case: kernel restarts through a real Jupyter server, plain vs warm.
 
-Through ``jupyter_client`` kernel managers (what a Jupyter server uses), with a private
-daemon and a private zygote directory, for each kernelspec (the plain one and the warm
-one, same interpreter and argv):
+A ``jupyter server`` (:mod:`overmind_lab.bench._server`) is started with private runtime,
+config and data directories and two kernelspecs on its ``JUPYTER_PATH``, ``bench-plain``
+and ``bench-warm`` (same interpreter and argv; the warm one selects the
+``overmind-lab-warm`` provisioner), a private daemon and, beside its socket, a private
+zygote directory. Kernels are driven as JupyterLab drives them: ``POST api/kernels``,
+``POST api/kernels/<id>/restart`` and the server's websocket. For each kernelspec:
 
-- ``restart_seconds``: from the restart request (``restart_kernel(now=False)``, as the
-  server's restart handler) to the first ``kernel_info_reply``;
+- ``restart_seconds``: from the restart request to the first ``kernel_info_reply`` on a
+  new websocket (what JupyterLab waits for before the kernel shows "idle");
 - ``cell_seconds``: the model's load cell right after the restart, imports included,
-  with ``%overmind_load`` and a warm cache (the SD 1.5 pipeline; a Llama-style 1.1B causal
-  LM in bf16);
+  with ``%overmind_load`` and a warm cache: the SD 1.5 pipeline (fp16) and a Llama-style
+  1.1B causal LM (bf16, random weights: the ``llama`` model of ``_more_models.py``);
 - ``pss``: summed PSS of 4 idle kernels that imported torch, diffusers and transformers
-  (for warm kernels, also with the zygote's own PSS added).
+  (warm kernels also with the zygote's own PSS added).
 
-Medians of ``repeat`` restarts. Run: ``python -m overmind_lab.bench._warm_kernel``.
+Medians of ``repeat`` restarts. This process never imports torch (the models are built by
+the benchmark's build step, in a child). The server, the
+kernels, the zygote and the daemon are stopped at the end, also on an error or Ctrl-C.
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import json
 import os
+import signal
 import statistics
-import sys
-import tempfile
-import textwrap
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["build_llama", "run", "main"]
+from overmind_lab.bench._memory import read_smaps_rollup
+from overmind_lab.bench._server import JupyterServer, WsKernel
+from overmind_lab.bench._service import PrivateDaemon
 
-LLAMA_CONFIG: dict[str, Any] = dict(  # TinyLlama-1.1B's shape
-    hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-    num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048,
-)
+__all__ = ["LIMITS", "run_warm_kernel"]
+
+#: The targets: SD cell after a restart (warm kernel, warm cache) in seconds and as a
+#: fraction of the plain kernel's; the Llama cell in seconds; 4 warm kernels' PSS in
+#: plain kernels.
+LIMITS = {"sd_cell_seconds": 1.0, "sd_cell_ratio": 0.15, "llama_cell_seconds": 0.5,
+          "pss_plain_kernels": 2.0}
+KERNELS = 4
+QUICK_KERNELS = 2
 
 SD_CELL = """\
 %load_ext overmind_lab
@@ -52,124 +63,145 @@ model = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.bfloat16)
 """
 
 IDLE_CELL = "import torch, diffusers, transformers\n"
+#: Run after the timed cell: the kernel's pid and its parent's (the zygote's when forked).
+PIDS_CELL = "import os; print(os.getpid(), os.getppid())\n"
+
+Progress = Callable[[str], None]
 
 
-def build_llama(path: Path, tiny: bool = False) -> Path:
-    """A Llama-style causal LM with random weights in bf16, saved once at ``path``."""
-    if (path / "config.json").exists():
-        return path
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg: dict[str, Any] = dict(LLAMA_CONFIG)
-    if tiny:
-        cfg.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
-    model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
-        LlamaConfig(**cfg), dtype=torch.bfloat16)
-    tmp = path.with_name(path.name + ".tmp")
-    model.save_pretrained(tmp)
-    os.replace(tmp, path)
-    return path
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
 
 
-def _spec(directory: Path, name: str, warm: bool) -> None:
-    from overmind_lab._kernel.spec import kernel_json
-
-    spec = kernel_json(name)
-    if not warm:
-        spec["metadata"].pop("kernel_provisioner")
-    (directory / name).mkdir(parents=True, exist_ok=True)
-    (directory / name / "kernel.json").write_text(json.dumps(spec))
+def _pids(kernel: WsKernel) -> tuple[int, int]:
+    _, out = kernel.execute(PIDS_CELL)
+    pid, ppid = out.split()[-2:]
+    return int(pid), int(ppid)
 
 
-class _Kernel:
-    def __init__(self, name: str, env: dict[str, str], log: Any) -> None:
-        from jupyter_client.manager import KernelManager
+class _Lab:
+    """The private world of one run: a directory, a daemon, a zygote directory (the
+    daemon socket's), kernelspecs and a Jupyter server. :meth:`close` stops them all."""
 
-        self.env = env
-        self.km = KernelManager(kernel_name=name)
-        self.km.start_kernel(env=env, stdout=log, stderr=log, cwd="/tmp")
-        self.kc = self.km.client()
-        self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=600)
+    def __init__(self, env: dict[str, str], log_dir: Path, timeout: float) -> None:
+        self.timeout = timeout
+        self.log_dir = log_dir
+        self.daemon = PrivateDaemon(None, log_dir / "warm-kernel-daemon.log")
+        self.dir = Path(self.daemon.socket).parent  # 0700; the zygotes' sockets go here
+        self.kernels: list[WsKernel] = []
+        self.env = {k: v for k, v in env.items() if not k.startswith("JPY_")}
+        self.env.update(
+            OVERMIND_LAB_SOCKET=self.daemon.socket, JUPYTER_PATH=str(self.dir / "share"),
+            JUPYTER_CONFIG_DIR=str(self.dir / "config"), JUPYTER_DATA_DIR=str(self.dir / "data"),
+            JUPYTER_RUNTIME_DIR=str(self.dir / "runtime"), IPYTHONDIR=str(self.dir / "ipython"),
+            PYDEVD_DISABLE_FILE_VALIDATION="1", JUPYTER_PLATFORM_DIRS="1")
+        self.server = JupyterServer(self.env, log_dir / "warm-kernel-server.log",
+                                    extra_args=(f"--ServerApp.root_dir={self.dir}",))
 
-    @property
-    def warm(self) -> bool:
-        return getattr(self.km.provisioner, "warm", None) is not None
+    def start(self, progress: Progress) -> None:
+        from overmind_lab._kernel.spec import kernel_json
 
-    def restart(self) -> float:
-        t0 = time.perf_counter()
-        self.km.restart_kernel(now=False, env=self.env)
-        self.kc.wait_for_ready(timeout=600)  # returns on the first kernel_info_reply
-        return time.perf_counter() - t0
+        self.daemon.start()
+        for name, warm in (("bench-plain", False), ("bench-warm", True)):
+            spec = kernel_json(f"overmind-lab bench ({name})")
+            if not warm:
+                spec["metadata"].pop("kernel_provisioner")
+            (self.dir / "share" / "kernels" / name).mkdir(parents=True)
+            (self.dir / "share" / "kernels" / name / "kernel.json").write_text(json.dumps(spec))
+        seconds = self.server.start()
+        progress(f"warm-kernel: jupyter server up on port {self.server.port} in {seconds:.1f} s "
+                 f"(private daemon and zygote directory {self.dir})")
 
-    def cell(self, code: str) -> float:
-        t0 = time.perf_counter()
-        reply = self.kc.execute_interactive(code, timeout=600, output_hook=lambda m: None)
-        seconds = time.perf_counter() - t0
-        if reply["content"]["status"] != "ok":
-            raise RuntimeError(f"cell failed: {reply['content'].get('ename')}: "
-                               f"{reply['content'].get('evalue')}")
-        return seconds
+    def kernel(self, name: str) -> WsKernel:
+        k = WsKernel(self.server, name, self.timeout)
+        self.kernels.append(k)
+        return k
 
-    def pss(self) -> int:
-        return _pss(int(getattr(self.km.provisioner, "pid", 0)))
+    def drop(self, kernel: WsKernel) -> None:
+        kernel.close()
+        self.kernels.remove(kernel)
+
+    def zygote(self, not_pid: int | None = None) -> dict[str, Any]:
+        """The zygote's status once one serves (and is not ``not_pid``)."""
+        from overmind_lab._kernel.spec import zygotes
+
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            for z in zygotes(self.dir):
+                if z["pid"] != not_pid and not z["retiring"]:
+                    return z
+            time.sleep(0.5)
+        raise RuntimeError(f"no zygote became ready in {self.dir}; see "
+                           f"{self.log_dir / 'warm-kernel-server.log'}")
+
+    def zygote_pids(self) -> set[int]:
+        from overmind_lab._kernel.spec import zygotes
+
+        return {int(z["pid"]) for z in zygotes(self.dir)}
 
     def close(self) -> None:
-        self.kc.stop_channels()
-        self.km.shutdown_kernel(now=True)
+        for k in list(self.kernels):
+            self.drop(k)
+        self.server.stop()
+        # zygotes and forked kernels name the directory in their command line, plain
+        # kernels their connection file in its runtime/
+        for pid in _marked(str(self.dir)):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        self.daemon.stop()
 
 
-def _pss(pid: int) -> int:
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    return 0
+def _marked(marker: str) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            with contextlib.suppress(OSError):
+                cmd = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace")
+                if marker in cmd:
+                    out.append(int(entry))
+    return out
 
 
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
+@contextlib.contextmanager
+def _lab(env: dict[str, str], log_dir: Path, timeout: float, progress: Progress) -> Iterator[_Lab]:
+    lab = _Lab(env, log_dir, timeout)
+    try:
+        lab.start(progress)
+        yield lab
+    finally:
+        lab.close()
 
 
-def _wait_zygote(directory: Path, not_pid: int | None = None) -> dict[str, Any]:
-    from overmind_lab._kernel.spec import zygotes
-
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        for z in zygotes(directory):
-            if z["pid"] != not_pid and not z["retiring"]:
-                return z
-        time.sleep(0.5)
-    raise RuntimeError(f"no zygote became ready in {directory}")
-
-
-def _case(name: str, cell: str, env: dict[str, str], repeat: int, log: Any,
-          zdir: Path, progress: Any) -> dict[str, Any]:
+def _restarts(lab: _Lab, name: str, cell: str, repeat: int, progress: Progress) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for kind in ("plain", "warm"):
-        k = _Kernel(f"bench-{kind}", env, log)
+        k = lab.kernel(f"bench-{kind}")
         try:
-            k.cell(cell)  # fills the cache (first case) and, for warm, teaches the zygote
+            progress(f"warm-kernel: {name} {kind}: first cell "
+                     f"({'fills the cache' if kind == 'plain' else 'the zygote learns its imports'})")
+            k.execute(cell)
             if kind == "warm":
                 from overmind_lab._kernel.spec import restart_zygotes
 
-                k.restart()  # the exit records the learned modules
-                old = _wait_zygote(zdir)["pid"]
-                restart_zygotes(zdir)  # a zygote with the cached classes and learned set
-                _wait_zygote(zdir, not_pid=old)
-            restarts, cells, warm = [], [], []
+                k.restart()  # the kernel's exit records the modules it imported
+                old = lab.zygote()["pid"]
+                progress(f"warm-kernel: {name}: a new zygote with the cached classes")
+                restart_zygotes(lab.dir)
+                lab.zygote(not_pid=old)
+            restarts: list[float] = []
+            cells: list[float] = []
+            forked: list[bool] = []
             for i in range(repeat):
                 restarts.append(k.restart())
-                warm.append(k.warm)
-                cells.append(k.cell(cell))
-                progress(f"{name} {kind} #{i + 1}: restart {restarts[-1]:.2f} s, "
-                         f"cell {cells[-1]:.2f} s{' (warm kernel)' if k.warm else ''}")
+                cells.append(k.execute(cell)[0])
+                forked.append(_pids(k)[1] in lab.zygote_pids())
+                progress(f"warm-kernel: {name} {kind} {i + 1}/{repeat}: restart "
+                         f"{restarts[-1]:.2f} s, cell {cells[-1]:.2f} s"
+                         f"{' (forked)' if forked[-1] else ''}")
             out[kind] = {"restart_seconds": _median(restarts), "cell_seconds": _median(cells),
-                         "restart_all": restarts, "cell_all": cells, "forked": warm}
+                         "restart_all": restarts, "cell_all": cells, "forked": forked}
         finally:
-            k.close()
+            lab.drop(k)
     out["ratios"] = {
         "restart_warm_over_plain": out["warm"]["restart_seconds"] / out["plain"]["restart_seconds"],
         "cell_warm_over_plain": out["warm"]["cell_seconds"] / out["plain"]["cell_seconds"],
@@ -177,123 +209,51 @@ def _case(name: str, cell: str, env: dict[str, str], repeat: int, log: Any,
     return out
 
 
-def _memory(env: dict[str, str], log: Any, zdir: Path) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _memory(lab: _Lab, n: int, progress: Progress) -> dict[str, Any]:
+    out: dict[str, Any] = {"kernels": n}
     for kind in ("plain", "warm"):
-        kernels = [_Kernel(f"bench-{kind}", env, log) for _ in range(4)]
+        kernels = [lab.kernel(f"bench-{kind}") for _ in range(n)]
         try:
+            pids = []
             for k in kernels:
-                k.cell(IDLE_CELL)
+                k.execute(IDLE_CELL)
+                pids.append(_pids(k))
             time.sleep(1.0)
-            out[f"{kind}_sum_bytes"] = sum(k.pss() for k in kernels)
-            out[f"{kind}_forked"] = [k.warm for k in kernels]
+            zygotes = lab.zygote_pids()
+            out[f"{kind}_pss"] = [read_smaps_rollup(pid).get("Pss", 0) for pid, _ in pids]
+            out[f"{kind}_sum_bytes"] = sum(out[f"{kind}_pss"])
+            out[f"{kind}_forked"] = [ppid in zygotes for _, ppid in pids]
             if kind == "warm":
-                z = _wait_zygote(zdir)
-                out["zygote_pss_bytes"] = _pss(int(z["pid"]))
+                out["zygote_pss_bytes"] = read_smaps_rollup(lab.zygote()["pid"]).get("Pss", 0)
+            progress(f"warm-kernel: {n} idle {kind} kernels: "
+                     f"{out[f'{kind}_sum_bytes'] / 2**20:.0f} MiB PSS")
         finally:
             for k in kernels:
-                k.close()
-    out["warm_over_plain"] = out["warm_sum_bytes"] / out["plain_sum_bytes"]
-    out["warm_with_zygote_over_plain"] = (
-        (out["warm_sum_bytes"] + out["zygote_pss_bytes"]) / out["plain_sum_bytes"])
+                lab.drop(k)
+    one_plain = out["plain_sum_bytes"] / n
+    out["warm_in_plain_kernels"] = out["warm_sum_bytes"] / one_plain
+    out["warm_with_zygote_in_plain_kernels"] = (
+        (out["warm_sum_bytes"] + out["zygote_pss_bytes"]) / one_plain)
     return out
 
 
-def run(models_dir: Path, repeat: int = 5, tiny: bool = False,
-        progress: Any = print) -> dict[str, Any]:
-    from overmind_lab import Client
-    from overmind_lab.bench import models as _models
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JPY_")}
-    with tempfile.TemporaryDirectory(prefix="omwk-", dir="/tmp") as d:
-        env.update(OVERMIND_LAB_SOCKET=f"{d}/d.sock", JUPYTER_PATH=f"{d}/share/jupyter",
-                   PYDEVD_DISABLE_FILE_VALIDATION="1", TRANSFORMERS_VERBOSITY="error",
-                   HF_HUB_OFFLINE="1")
-        os.environ.update(env)
-        kdir = Path(d, "share/jupyter/kernels")
-        _spec(kdir, "bench-plain", warm=False)
-        _spec(kdir, "bench-warm", warm=True)
-        import torch
-
-        sd = _models.build_sd15_pipeline(models_dir / ("tiny-sd15-fp16" if tiny else "sd15-fp16"),
-                                         dtype=torch.float16, tiny=tiny)
-        llama = build_llama(models_dir / ("tiny-llama-bf16" if tiny else "llama-1b-bf16"), tiny)
-        client = Client(f"{d}/d.sock")
-        client.start()
-        result: dict[str, Any] = {"repeat": repeat, "tiny": tiny, "cpus": os.cpu_count(),
-                                  "loadavg_start": os.getloadavg()}
-        with open(Path(d, "kernels.log"), "ab") as log:
-            try:
-                # A first launch starts the zygote (and is plain: nothing was running).
-                first = _Kernel("bench-warm", env, log)
-                first.close()
-                _wait_zygote(Path(d))
-                result["sd15"] = _case("sd15", SD_CELL.format(path=str(sd)), env, repeat,
-                                       log, Path(d), progress)
-                result["llama"] = _case("llama", LLAMA_CELL.format(path=str(llama)), env,
-                                        repeat, log, Path(d), progress)
-                result["pss"] = _memory(env, log, Path(d))
-            finally:
-                client.stop()
-                _kill_dir(d)
-        result["loadavg_end"] = os.getloadavg()
+def run_warm_kernel(sd_path: Path, llama: Path, quick: bool, repeat: int,
+                    env: dict[str, str], progress: Progress, log_dir: Path,
+                    timeout: float) -> dict[str, Any]:
+    """Run the case on the built SD 1.5 pipeline and Llama directories; JSON-ready results
+    (raises on failure; everything it started is stopped first)."""
+    result: dict[str, Any] = {"repeat": repeat, "sd_path": str(sd_path), "llama_path": str(llama),
+                              "limits": LIMITS}
+    with _lab(env, log_dir, timeout, progress) as lab:
+        result["server_pid"] = lab.server.pid
+        progress("warm-kernel: first warm launch (plain; it starts the zygote)")
+        lab.drop(lab.kernel("bench-warm"))
+        result["zygote_pid"] = lab.zygote()["pid"]
+        result["sd15"] = _restarts(lab, "sd15", SD_CELL.format(path=str(sd_path)), repeat,
+                                   progress)
+        result["llama"] = _restarts(lab, "llama", LLAMA_CELL.format(path=str(llama)), repeat,
+                                    progress)
+        result["pss"] = _memory(lab, QUICK_KERNELS if quick else KERNELS, progress)
+        result["zygote_pids"] = sorted(lab.zygote_pids())
+        result["dir"] = str(lab.dir)
     return result
-
-
-def _kill_dir(marker: str) -> None:
-    import signal
-
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                cmd = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace")
-            except OSError:
-                continue
-            if marker in cmd:
-                try:
-                    os.kill(int(entry), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-
-
-def _report(r: dict[str, Any]) -> str:
-    lines = [f"warm kernel benchmark: medians of {r['repeat']} restarts, {r['cpus']} CPUs, "
-             f"load {r['loadavg_start'][0]:.1f} -> {r['loadavg_end'][0]:.1f}"]
-    for case in ("sd15", "llama"):
-        c = r[case]
-        lines.append(
-            f"  {case}: restart -> kernel_info_reply plain {c['plain']['restart_seconds']:.2f} s, "
-            f"warm {c['warm']['restart_seconds']:.2f} s "
-            f"({c['ratios']['restart_warm_over_plain']:.2f}x); load cell after restart plain "
-            f"{c['plain']['cell_seconds']:.2f} s, warm {c['warm']['cell_seconds']:.2f} s "
-            f"({c['ratios']['cell_warm_over_plain']:.3f}x)")
-    p = r["pss"]
-    lines.append(f"  PSS of 4 idle kernels (torch, diffusers, transformers imported): plain "
-                 f"{p['plain_sum_bytes'] / 2**20:.0f} MiB, warm {p['warm_sum_bytes'] / 2**20:.0f}"
-                 f" MiB ({p['warm_over_plain']:.2f}x), warm + zygote "
-                 f"{(p['warm_sum_bytes'] + p['zygote_pss_bytes']) / 2**20:.0f} MiB "
-                 f"({p['warm_with_zygote_over_plain']:.2f}x)")
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m overmind_lab.bench._warm_kernel",
-                                     description=textwrap.dedent(__doc__ or "").strip())
-    parser.add_argument("--models-dir", default=".models")
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--tiny", action="store_true", help="tiny models (a quick check)")
-    parser.add_argument("--out", default=None, help="write the JSON result here")
-    args = parser.parse_args(argv)
-
-    def progress(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
-
-    result = run(Path(args.models_dir).absolute(), args.repeat, args.tiny, progress)
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
-    print(_report(result))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
