@@ -68,18 +68,17 @@ test-js: install
 test-python: install ui-deps
 	OVERMIND_LAB_REQUIRE_UI=1 $(PY) -m pytest
 
-# The README's pictures, in docs/images/. sidebar.png: the sidebar with a cached entry and
-# the warm-kernel zygote, as the browser test (a real Lab, daemon, kernels and zygote)
-# screenshots it in the light theme (its readme-sidebar.png).
+# The README's pictures, in docs/images/, regenerated together: bench.svg (images-bench,
+# above) and sidebar.png: the sidebar with a cached entry and the warm-kernel zygote, as the
+# browser test (a real Lab, daemon, kernels and zygote) screenshots it in the light theme
+# (its readme-sidebar.png).
 UI_ARTIFACTS := ui-tests/artifacts
-images: install ui-deps
+images: install ui-deps images-bench
 	rm -rf $(UI_ARTIFACTS)
 	OVERMIND_LAB_REQUIRE_UI=1 OVERMIND_UI_ARTIFACTS=$(CURDIR)/$(UI_ARTIFACTS) \
 		$(PY) -m pytest -q tests/test_ui.py
 	mkdir -p docs/images
 	cp $(UI_ARTIFACTS)/readme-sidebar.png docs/images/sidebar.png
-# docs/images/bench.svg, the benchmark chart, has a target of its own (another change):
-# make it part of this one here, as a prerequisite or a line of the recipe.
 
 lint: install
 	$(VENV)/bin/ruff check overmind_lab tests examples
