@@ -91,12 +91,14 @@ def _wait_for(predicate: Any, timeout: float, what: str) -> Any:
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-def ready_zygote(directory: Path, not_pid: int | None = None,
-                 timeout: float = 300) -> dict[str, Any]:
-    """The status of the zygote in ``directory`` once it serves (and is not ``not_pid``)."""
+def ready_zygote(directory: Path, not_pid: int | None = None, timeout: float = 300,
+                 identity: str | None = None) -> dict[str, Any]:
+    """The status of the zygote in ``directory`` once it serves (and is not ``not_pid``;
+    of ``identity`` only, when given: a directory may hold zygotes of other preload sets)."""
     def ready() -> dict[str, Any] | None:
         for z in spec.zygotes(directory):
-            if z["pid"] != not_pid and not z["retiring"]:
+            if (z["pid"] != not_pid and not z["retiring"]
+                    and identity in (None, z["identity"])):
                 return z
         return None
 
@@ -345,16 +347,22 @@ def test_a_diffusers_step_tokenizers_and_tqdm_match_a_fresh_process(
     first = Kernel(env=env)
     first.close()
     assert not first.warm  # a new identity: the first launch starts its zygote
-    ready = _wait_for(lambda: [z for z in spec.zygotes(warm_dir) if not z["retiring"]
-                               and "diffusers" in z["preload_roots"]], 300,
-                      "a zygote that preloaded diffusers")
-    assert ready[0]["refusal"] is None, ready
-    k = Kernel(env=env)
     try:
-        assert k.warm, k.log_text()
-        warm = k.json(LIBRARY_CODE)
-    finally:
-        k.close()
+        ready = _wait_for(lambda: [z for z in spec.zygotes(warm_dir) if not z["retiring"]
+                                   and "diffusers" in z["preload_roots"]], 300,
+                          "a zygote that preloaded diffusers")
+        assert ready[0]["refusal"] is None, ready
+        k = Kernel(env=env)
+        try:
+            assert k.warm, k.log_text()
+            warm = k.json(LIBRARY_CODE)
+        finally:
+            k.close()
+    finally:  # the other tests expect their own zygote alone in the directory
+        for z in spec.zygotes(warm_dir):
+            if z["identity"] != zygote["identity"]:
+                os.kill(z["pid"], signal.SIGKILL)
+                _wait_for(lambda z=z: not _alive(z["pid"]), 10, "the diffusers zygote to exit")
     fresh_proc = subprocess.run([sys.executable, "-c", LIBRARY_CODE], capture_output=True,
                                 text=True, timeout=300, cwd="/", check=True,
                                 env={**LAUNCH_ENV, **env})
@@ -509,7 +517,7 @@ def test_a_touched_preloaded_module_retires_the_stale_zygote(
         zygote: dict[str, Any], warm_dir: Path) -> None:
     import threadpoolctl
 
-    current = ready_zygote(warm_dir)
+    current = ready_zygote(warm_dir, identity=zygote["identity"])
     path = Path(threadpoolctl.__file__)
     st = path.stat()
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
@@ -521,7 +529,7 @@ def test_a_touched_preloaded_module_retires_the_stale_zygote(
         assert str(path) in k.log_text()
     finally:
         k.close()
-    fresh = ready_zygote(warm_dir, not_pid=current["pid"])
+    fresh = ready_zygote(warm_dir, not_pid=current["pid"], identity=current["identity"])
     _wait_for(lambda: not _alive(current["pid"]), 10, "the stale zygote to exit")
     k = Kernel()
     try:
@@ -533,7 +541,7 @@ def test_a_touched_preloaded_module_retires_the_stale_zygote(
 
 def test_a_killed_zygote_gives_one_plain_launch_then_warm_again(
         zygote: dict[str, Any], warm_dir: Path) -> None:
-    current = ready_zygote(warm_dir)
+    current = ready_zygote(warm_dir, identity=zygote["identity"])
     os.kill(current["pid"], signal.SIGKILL)
     _wait_for(lambda: not _alive(current["pid"]), 10, "the zygote to die")
     k = Kernel()
@@ -543,7 +551,7 @@ def test_a_killed_zygote_gives_one_plain_launch_then_warm_again(
         assert k.run("print('plain ok')").strip() == "plain ok"
     finally:
         k.close()
-    fresh = ready_zygote(warm_dir, not_pid=current["pid"])
+    fresh = ready_zygote(warm_dir, not_pid=current["pid"], identity=current["identity"])
     k = Kernel()
     try:
         assert k.warm, k.log_text()
