@@ -1,9 +1,9 @@
 """Native helpers of overmind-lab (pybind11, ``native/native.cpp``).
 
-Byte-moving work Python cannot do well: threaded copies into segments, prefaulting of
-mappings and byte comparison. Every function takes objects that support the buffer
-protocol (``bytes``, ``bytearray``, ``memoryview``, ``mmap.mmap``, numpy arrays...),
-obtains their pointers with the GIL held and releases the GIL for the heavy work. The
+Byte-moving work Python cannot do well: prefaulting of mappings and byte comparison.
+Every function takes objects that support the buffer protocol (``bytes``,
+``bytearray``, ``memoryview``, ``mmap.mmap``, numpy arrays...), obtains their pointers
+with the GIL held and releases the GIL for the heavy work. The
 module does not link libtorch: pass ``memoryview``s or numpy views of tensors, not
 tensors.
 
@@ -12,38 +12,12 @@ tensors.
 """
 
 import sys
-from collections.abc import Iterable
-from typing import Literal, SupportsIndex
+from typing import Literal
 
 if sys.version_info >= (3, 12):
     from collections.abc import Buffer
 else:
     from typing_extensions import Buffer
-
-def copy_many(
-    dst: Buffer,
-    items: Iterable[tuple[SupportsIndex, Buffer]],
-    threads: int = 0,
-) -> None:
-    """Copy every ``src`` of ``items`` into ``dst`` at its ``dst_offset``.
-
-    ``dst`` must be a writable contiguous buffer; ``items`` an iterable of
-    ``(dst_offset, src)`` pairs whose sources are contiguous buffers. Everything is
-    validated before the first byte is copied, so an error leaves ``dst`` untouched.
-
-    Big sources are cut into chunks of at most 8 MiB, so one huge tensor still uses every
-    thread.
-
-    Raises:
-        ValueError: an item does not fit
-            (``"item 3 does not fit: offset 100 + 64 bytes > destination 128 bytes"``),
-            an offset is negative, two items write overlapping destination bytes
-            (``"items 1 and 4 overlap in the destination: [0, 64) and [32, 96)"``), a
-            source overlaps destination bytes that an item writes, or ``threads < 0``.
-        TypeError: an item is not a ``(dst_offset, src)`` pair, an offset is not an int,
-            or an object does not support the buffer protocol.
-        BufferError: ``dst`` is read-only, or a buffer is not contiguous.
-    """
 
 def prefault(
     buf: Buffer,
