@@ -1,15 +1,15 @@
 """Pickling with tensor bytes out of band: ``reduce_*`` on the way in, ``rebuild_*`` out.
 
-:class:`StoragePickler` is a protocol-5 pickler whose ``persistent_id`` turns every torch
-storage into a small reference ``("s", segment, offset, nbytes, dtype, device, typed)``
-and whose ``buffer_callback`` takes large ``PickleBuffer`` objects (numpy arrays) out of
-the stream too. The stream itself is metadata only (~100 KB for a UNet). A
+:class:`StoragePickler` is a protocol-5 pickler whose ``reducer_override`` turns every
+torch storage into a small reference, a call ``_storage(segment, offset, nbytes, dtype,
+device, typed)``, and whose ``buffer_callback`` takes large ``PickleBuffer`` objects
+(numpy arrays) out of the stream too. The stream itself is metadata only (~100 KB for a UNet). A
 :class:`WritePlan` decides where every byte goes: into the new segment, or, for a storage
 that already lives unchanged in a cached segment, nowhere (Note [Provenance] in
 ``_segments``).
 
-:class:`StorageUnpickler` rebuilds storages with ``torch.frombuffer`` over the private
-mapping: no byte is copied, the tensor keeps the mapping alive.
+Unpickling rebuilds storages with ``torch.frombuffer`` over the private mapping: no byte
+is copied, the tensor keeps the mapping alive.
 
 Nothing here is registered on a global pickler. ``dill`` is the fallback for objects
 plain pickle refuses (lambdas, nested functions).
@@ -24,6 +24,7 @@ import json
 import os
 import pickle
 import sys
+import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -225,40 +226,42 @@ def _make_pickler(base: type, file: io.BytesIO, plan: WritePlan,
     storage_kinds: dict[type, str] = {}  # type -> "typed", "untyped" or "" (not a storage)
 
     class StoragePickler(base):  # type: ignore[misc]
+        # Note [The pickler's hot path]: a pickler with a ``persistent_id`` method calls
+        # it for every object of the graph (70,000 for an SD UNet: every dict key, int
+        # and string of every module), against 686 storages. ``reducer_override`` is
+        # not called for None, bools, ints, floats, strs, bytes, exact dicts, lists,
+        # tuples and sets, nor for an object already in the memo: 9,000 calls. So
+        # storages and components are reduced here, to calls of ``_storage`` and
+        # ``_component`` that the unpickler resolves (``_Loading``), and everything is
+        # decided by the object's type, looked up once per type.
         def reducer_override(self, obj: Any) -> Any:
+            if components:
+                key = components.get(id(obj))
+                if key is not None:  # Note [Components by reference]
+                    return (_component, (key,))
             cls = type(obj)
             if cls is torch.Tensor or cls is torch.nn.Parameter:
                 return reduce_tensor(obj, cls is torch.nn.Parameter)
+            kind = storage_kinds.get(cls)
+            if kind is None:
+                kind = storage_kinds[cls] = (
+                    "typed" if issubclass(cls, torch.storage.TypedStorage)
+                    else "untyped" if issubclass(cls, torch.UntypedStorage) else "")
+            if kind:
+                if kind == "typed":
+                    untyped, dtype, typed = obj._untyped_storage, obj.dtype, True
+                else:
+                    untyped, dtype, typed = obj, torch.uint8, False
+                seg, offset = plan.reduce_storage(untyped)
+                return (_storage, (seg, offset, int(untyped.nbytes()),
+                                   str(dtype).removeprefix("torch."), str(untyped.device),
+                                   typed))
             if cls.__module__ == "tokenizers" and cls.__name__ == "Tokenizer":
                 return reduce_tokenizer(obj)
             state = getattr(obj, "__dict__", None)
             if isinstance(state, dict) and "_original_object_hash" in state:
                 return reduce_rehashed(obj, state)
             return NotImplemented
-
-        def persistent_id(self, obj: Any) -> Any:
-            # Note [The pickler's hot path]: called for every object of the graph (70,000
-            # for an SD UNet, against 686 storages), so it decides by the object's type,
-            # looked up once per type, and looks for components only when there are any.
-            if components:
-                key = components.get(id(obj))
-                if key is not None:  # Note [Components by reference]
-                    return ("c", key)
-            cls = type(obj)
-            kind = storage_kinds.get(cls)
-            if kind is None:
-                kind = storage_kinds[cls] = (
-                    "typed" if issubclass(cls, torch.storage.TypedStorage)
-                    else "untyped" if issubclass(cls, torch.UntypedStorage) else "")
-            if not kind:
-                return None
-            if kind == "typed":
-                untyped, dtype, typed = obj._untyped_storage, obj.dtype, True
-            else:
-                untyped, dtype, typed = obj, torch.uint8, False
-            seg, offset = plan.reduce_storage(untyped)
-            return ("s", seg, offset, int(untyped.nbytes()), str(dtype).removeprefix("torch."),
-                    str(untyped.device), typed)
 
     return StoragePickler(file, protocol=5, buffer_callback=plan.reduce_buffer)
 
@@ -312,11 +315,27 @@ def _dill() -> Any:
 
 
 # -- rebuild_* --------------------------------------------------------------------------
-def rebuild_storage(mappings: list[Mapping], pid: tuple[Any, ...],
-                    memo: dict[tuple[int, int, int], Any]) -> Any:
+class _Loading(threading.local):
+    """What the stream being unpickled in this thread refers to: its mapped segments, the
+    storages rebuilt so far, and the components passed to the call (a stack: one
+    unpickling at a time per thread, but a rebuild may run inside another's)."""
+
+    def __init__(self) -> None:
+        self.stack: list[tuple[list[Mapping], dict[tuple[int, int, int], Any],
+                               dict[str, Any]]] = []
+
+
+_loading = _Loading()
+
+
+def _storage(seg: int, offset: int, nbytes: int, dtype_name: str, device: str,
+             typed: bool) -> Any:
+    """A storage over ``[offset, +nbytes)`` of mapped segment ``seg`` (no byte copied)."""
     import torch
 
-    _, seg, offset, nbytes, dtype_name, device, typed = pid
+    if not _loading.stack:
+        raise pickle.UnpicklingError("a cached storage outside of load_stream")
+    mappings, memo, _ = _loading.stack[-1]
     key = (seg, offset, nbytes)
     untyped = memo.get(key)
     if untyped is None:
@@ -335,6 +354,16 @@ def rebuild_storage(mappings: list[Mapping], pid: tuple[Any, ...],
         wrap_storage=untyped, dtype=dtype, _internal=True)
 
 
+def _component(key: str) -> Any:
+    """The object passed to this call for the cached component ``key``."""
+    if not _loading.stack:
+        raise pickle.UnpicklingError("a cached component outside of load_stream")
+    try:
+        return _loading.stack[-1][2][key]
+    except KeyError:
+        raise pickle.UnpicklingError(f"component {key} was not passed to this call") from None
+
+
 def _to_device(untyped: Any, device: Any) -> Any:
     import torch
 
@@ -342,22 +371,8 @@ def _to_device(untyped: Any, device: Any) -> Any:
     return host.to(device).untyped_storage()
 
 
-def _make_unpickler(base: type, file: io.BytesIO, mappings: list[Mapping],
-                    buffers: list[memoryview], components: dict[str, Any]) -> Any:
-    memo: dict[tuple[int, int, int], Any] = {}
-
+def _make_unpickler(base: type, file: io.BytesIO, buffers: list[memoryview]) -> Any:
     class StorageUnpickler(base):  # type: ignore[misc]
-        def persistent_load(self, pid: Any) -> Any:
-            if isinstance(pid, tuple) and pid and pid[0] == "s":
-                return rebuild_storage(mappings, pid, memo)
-            if isinstance(pid, tuple) and len(pid) == 2 and pid[0] == "c":
-                try:
-                    return components[pid[1]]
-                except KeyError:
-                    raise pickle.UnpicklingError(
-                        f"component {pid[1]} was not passed to this call") from None
-            raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
-
         def find_class(self, module: str, name: str) -> Any:
             if module.split(".")[0] in _DYNAMIC_PACKAGES and module not in sys.modules:
                 _add_dynamic_module_path()
@@ -372,8 +387,11 @@ def load_stream(stream: memoryview, kind: str, mappings: list[Mapping],
     """Rebuild an object from its stream and mapped segments (and passed components)."""
     buffers = [mappings[s].view(o, n) for s, o, n in buffer_locations]
     base = pickle.Unpickler if kind == "pickle" else _dill().Unpickler
-    return _make_unpickler(base, io.BytesIO(stream), mappings, buffers,
-                           components or {}).load()
+    _loading.stack.append((mappings, {}, components or {}))
+    try:
+        return _make_unpickler(base, io.BytesIO(stream), buffers).load()
+    finally:
+        _loading.stack.pop()
 
 
 # Note [Dynamic modules]: diffusers and transformers import code shipped with a model
