@@ -72,3 +72,37 @@ def test_local_functions_are_keyed_by_their_code() -> None:
 
     assert make_key(make(1), ("/x",), {}).key == make_key(make(1), ("/x",), {}).key
     assert make_key(make(1), ("/x",), {}).key != make_key(make(2), ("/x",), {}).key
+
+
+def test_library_versions_come_from_dist_info_names_as_importlib_finds_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from importlib import metadata
+
+    from overmind_lab._client import keys
+
+    installed = keys._installed_versions()
+    for dist in keys._VERSIONED:  # this environment: the same answers as importlib
+        try:
+            expected: str | None = metadata.version(dist.replace("_", "-"))
+        except metadata.PackageNotFoundError:
+            expected = None
+        assert installed.get(dist) == expected
+    first, second = tmp_path / "first", tmp_path / "second"
+    for folder, names in ((first, ["HuggingFace.Hub-9.9.dist-info", "peft.egg-info"]),
+                          (second, ["huggingface_hub-1.0.dist-info", "torch-0.1.dist-info"])):
+        for name in names:
+            (folder / name).mkdir(parents=True)
+    (first / "peft.egg-info" / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: peft\n"
+                                                      "Version: 0.7.1\n")
+    monkeypatch.setattr("sys.path", [str(tmp_path / "absent"), str(first), str(second)])
+    found = keys._dist_info_versions()
+    assert found["huggingface_hub"] == "9.9"  # the first along sys.path wins
+    assert found["torch"] == "0.1" and found["peft"] == ""
+    keys._installed_versions.cache_clear()
+    try:
+        got = keys._installed_versions()
+    finally:
+        keys._installed_versions.cache_clear()
+    assert got["torch"] == "0.1" and got["huggingface_hub"] == "9.9"
+    assert got["peft"] == "0.7.1"  # an egg: importlib reads its PKG-INFO
+    assert "diffusers" not in got  # not on this sys.path
