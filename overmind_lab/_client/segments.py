@@ -41,6 +41,7 @@ __all__ = ["write_segment", "map_segment", "Mapping", "find_mapping", "prefault"
 #: Set to 1 to fault every page of a warm load in before returning. Off by default: a
 #: warm load then costs the same for 1 GB or 10 GB, and pages fault in on first use.
 PREFAULT_ENV = "OVERMIND_LAB_PREFAULT"
+_WRITE_STEP = 2 << 20  # Note [Filling a segment]
 
 
 def write_segment(fd: int, size: int, items: Sequence[tuple[int, Any]]) -> None:
@@ -48,31 +49,39 @@ def write_segment(fd: int, size: int, items: Sequence[tuple[int, Any]]) -> None:
 
     The caller keeps ownership of ``fd``. Nothing is mapped.
 
-    Note [Filling a segment]: the bytes go in with ``pwrite``, one item at a time, from
-    one thread: the kernel allocates each page-cache folio and copies into it in one go.
-    The alternative, a shared writable mapping populated with ``MADV_POPULATE_WRITE``
-    and then filled by a parallel copy, pays for every page twice: it is zeroed when it
-    is faulted in and, on ext4, each write fault of a preallocated (unwritten) extent
-    runs the file system's ``page_mkwrite``. Measured here on 1.6 GiB of anonymous
-    memory (3 rounds, busy 2-core machine): ``pwrite`` 0.55-0.72 s against 1.46-3.25 s
-    for the mapping, and against 0.84-2.08 s for ``pwrite`` from two threads (they
-    contend for the file); into a memfd 1.06-1.59 s against 1.82-2.53 s. Faults on the
-    source side (a lazily mapped checkpoint not read yet) are taken by the copy itself.
+    Note [Filling a segment]: the bytes go in with ``pwrite``, one item at a time in
+    steps of 2 MiB, from one thread: the kernel allocates each page-cache folio and
+    copies into it in one go. The alternative, a shared writable mapping populated with
+    ``MADV_POPULATE_WRITE`` and then filled by a parallel copy, pays for every page
+    twice: it is zeroed when it is faulted in and, on ext4, each write fault of a
+    preallocated (unwritten) extent runs the file system's ``page_mkwrite``. Measured
+    here on 1.6 GiB of anonymous memory (3 rounds, busy 2-core machine): ``pwrite``
+    0.55-0.72 s against 1.46-3.25 s for the mapping, and against 0.84-2.08 s for
+    ``pwrite`` from two threads (they contend for the file); into a memfd 1.06-1.59 s
+    against 1.82-2.53 s. Faults on the source side (a lazily mapped checkpoint not read
+    yet) are taken by the copy itself.
 
-    How the pages enter the page cache decides their size: large writes into a file on
-    ext4/xfs are held in large folios, so a reader's first touch of 1.7 GB costs ~0.01 s,
-    against ~0.15 s for a memfd's 4 KiB shmem pages (and ~0.2 s for a file written with
-    64 KiB ``write()`` calls). No ``posix_fallocate``: the daemon checked the free space
-    when it chose the tier, and a write that fails (a disk filled meanwhile) raises
-    ``OSError``, after which the daemon deletes the segment.
+    How the pages enter the page cache decides their size, and larger is not always
+    better. Large writes into a file on ext4/xfs are held in large folios, so a reader's
+    first touch of 1.7 GB costs ~0.01-0.02 s, against ~0.15 s for a memfd's 4 KiB shmem
+    pages and ~0.07 s for a file written in 64 KiB steps. But writes of whole tensors
+    (up to 13 MiB) or of 2 MiB-aligned windows, which get PMD-sized folios, were the
+    slowest to write in fresh processes (0.7-2.9 s for an SD UNet's 1.7 GB, against
+    0.53-0.94 s in 2 MiB steps, whose first touch costs ~0.03 s). With the benchmark's
+    fp32 -> fp16 UNet (3 fresh processes each, back to back): first load 1.78 s in 2 MiB
+    steps against 2.20 s in whole tensors, plain 1.0 s; warm load + first touch the same.
+
+    No ``posix_fallocate``: the daemon checked the free space when it chose the tier,
+    and a write that fails (a disk filled meanwhile) raises ``OSError``, after which the
+    daemon deletes the segment.
     """
     os.ftruncate(fd, max(size, 1))
     for offset, buf in items:
         view = memoryview(buf).cast("B")
         try:
             done = 0
-            while done < len(view):  # one pwrite moves at most ~2 GiB
-                done += os.pwrite(fd, view[done:], offset + done)
+            while done < len(view):
+                done += os.pwrite(fd, view[done:done + _WRITE_STEP], offset + done)
         finally:
             view.release()
 
