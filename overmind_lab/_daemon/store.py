@@ -306,7 +306,9 @@ class Store:
         if why is not None:
             self.discard(seg)
             return None, why
-        self._fsync_dir()
+        # No directory fsync here, on the client's path (it waits for the journal): the
+        # link becomes durable with the index's own directory fsync (``save_index``), and
+        # a link that no saved index names is deleted by the next daemon (``collect``).
         return seg, ""
 
     # -- finishing (blocking: run in a thread) ------------------------------------------
