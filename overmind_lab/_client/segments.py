@@ -1,10 +1,10 @@
-"""Segments: written once through a shared mapping, mapped copy-on-write by readers.
+"""Segments: written once with ``pwrite``, mapped copy-on-write by readers.
 
 Writer side: the daemon creates the segment (a file in the cache directory, or a memfd)
-and hands over a writable descriptor; :func:`write_segment` writes every item in
-(Note [Filling a segment]). On ``store``
-the daemon makes it read-only for good (file: 0400, only ``O_RDONLY`` descriptors handed
-out; memfd: sealed): from then on no process can change a cached byte.
+and hands over a writable descriptor; :func:`write_segment` writes every item in (Note
+[Filling a segment]). On ``store`` the daemon makes it read-only for good (file: 0400,
+only ``O_RDONLY`` descriptors handed out; memfd: sealed): from then on no process can
+change a cached byte.
 
 Reader side: :func:`map_segment` maps a received fd ``MAP_PRIVATE`` with read and write
 permission. Reads share the page cache pages of the file or memfd; a write copies only
