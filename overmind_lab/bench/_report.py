@@ -130,21 +130,22 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     """The targets (warm and first loads, PSS, REST latency, correctness) with the measured
     values (``None`` when not measured)."""
     cases = results.get("cases", {})
+
+    def case_ratio(case: str, name: str) -> float | None:
+        return cases.get(case, {}).get("ratios", {}).get(name)  # type: ignore[no-any-return]
+
     values: dict[str, float | None] = {
-        "unet_fp16_warm": cases.get("unet-fp16", {}).get("ratios", {}).get("warm_over_plain"),
-        "unet_conv_warm": cases.get("unet-fp32-as-fp16", {}).get("ratios", {}).get("warm_over_plain"),
+        "unet_fp16_warm": case_ratio("unet-fp16", "warm_over_plain"),
+        "unet_conv_warm": case_ratio("unet-fp32-as-fp16", "warm_over_plain"),
         "unet_bytes_warm": ratio(_median(results, "unet-fp32", "warm"), _median(results, "unet-fp16", "warm")),
-        "unet_conv_first": cases.get("unet-fp32-as-fp16", {}).get("ratios", {}).get("first_over_plain"),
-        "unet_fp16_first": cases.get("unet-fp16", {}).get("ratios", {}).get("first_over_plain"),
-        "unet_fp16_total": cases.get("unet-fp16", {}).get("ratios", {}).get(
-            "warm_total_over_plain"),
-        "unet_conv_total": cases.get("unet-fp32-as-fp16", {}).get("ratios", {}).get(
-            "warm_total_over_plain"),
-        "unet_conv_reboot": cases.get("unet-fp32-as-fp16", {}).get("ratios", {}).get(
-            "reboot_total_over_plain_cold"),
+        "unet_conv_first": case_ratio("unet-fp32-as-fp16", "first_over_plain"),
+        "unet_fp16_first": case_ratio("unet-fp16", "first_over_plain"),
+        "unet_fp16_total": case_ratio("unet-fp16", "warm_total_over_plain"),
+        "unet_conv_total": case_ratio("unet-fp32-as-fp16", "warm_total_over_plain"),
+        "unet_conv_reboot": case_ratio("unet-fp32-as-fp16", "reboot_total_over_plain_cold"),
         "pss": (results.get("pss") or {}).get("ratio"),
-        "pipe_conv_warm": cases.get("pipeline-fp32-as-fp16", {}).get("ratios", {}).get("warm_over_plain"),
-        "pipe_fp16_warm": cases.get("pipeline-fp16", {}).get("ratios", {}).get("warm_over_plain"),
+        "pipe_conv_warm": case_ratio("pipeline-fp32-as-fp16", "warm_over_plain"),
+        "pipe_fp16_warm": case_ratio("pipeline-fp16", "warm_over_plain"),
         "rest_entries": _rest_median_ms(results),
         "decoding_speedup": (results.get("decoding") or {}).get("speedup"),
         **_warm_kernel_values(results.get("warm_kernel") or {}),
