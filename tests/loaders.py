@@ -87,3 +87,41 @@ def scaled_load(n: int) -> torch.Tensor:
 
 def failing_load(path: str, option: object = None) -> torch.Tensor:
     raise ValueError(f"cannot load {path}")
+
+
+#: Seconds that pickling a ``SlowToPickle`` sleeps: read when it is pickled, so that a
+#: test can hold a store open without changing the load's key.
+PICKLE_DELAY_ENV = "OVERMIND_LAB_TEST_PICKLE_DELAY"
+
+
+class SlowToPickle:
+    """Takes ``$OVERMIND_LAB_TEST_PICKLE_DELAY`` seconds to pickle (a store in progress)."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        import os
+
+        time.sleep(float(os.environ.get(PICKLE_DELAY_ENV, "0")))
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class Counting(torch.nn.Module):
+    """``n`` float32 weights 0, 1, ..., n - 1, and an attribute that is slow to pickle."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.arange(n, dtype=torch.float32))
+        self.slow = SlowToPickle()
+
+
+def counting_module(n: int) -> Counting:
+    return Counting(n)
+
+
+def unpicklable_module(n: int) -> torch.nn.Module:
+    """A module with a generator attribute: neither pickle nor dill can store it."""
+    module = Counting(n)
+    module.source = (i for i in range(n))
+    return module

@@ -65,7 +65,8 @@ _keys_by_id: dict[int, tuple[weakref.ref[Any], str]] = {}
 
 
 def remember(obj: Any, key: str) -> None:
-    """Record that ``obj`` was rebuilt from the cache entry ``key``."""
+    """Record that ``obj`` came from the cache entry ``key`` (rebuilt from it, or the
+    loader's own object of a first load stored in the background)."""
     ident = id(obj)
 
     def forget(_ref: weakref.ref[Any]) -> None:

@@ -2,10 +2,12 @@
 
 The cold load runs in this process (its libraries are already imported); the result is
 pickled with tensor bytes out of band, the bytes go into a new segment the daemon created
-for it (a file in the cache directory, or a memfd), and the caller gets the object rebuilt
-from that segment, exactly as any later process will. The cache never makes a load fail:
-whatever goes wrong on the cache's side, the caller gets the original function's result
-and one warning.
+for it (a file in the cache directory, or a memfd) or stay in the source file the entry
+links to, and the caller gets the object rebuilt from that segment, exactly as any later
+process will. A large result is the exception: a forked copy of this process stores it,
+and the caller gets the loader's own object at once (``background``, Note [Storing in a
+forked process]). The cache never makes a load fail: whatever goes wrong on the cache's
+side, the caller gets the original function's result and one warning.
 
 A hit must be indistinguishable from the plain load it replaces: the key covers every
 input (``Note [What a warm hit skips]`` in ``keys``); a load that draws random numbers is
@@ -28,8 +30,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypedDict, TypeVar, cast
 
+from overmind_lab._client import background, observe
 from overmind_lab._client import keys as _keys
-from overmind_lab._client import observe
 from overmind_lab._client.client import Client, Session
 from overmind_lab._client.pickling import WritePlan, dump, load_stream
 from overmind_lab._client.segments import map_segment, write_segment
@@ -268,14 +270,29 @@ def _load_with(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
         _emit(LoadEvent(info.key, info.name, "uncached", time.perf_counter() - start,
                         reason=reason))
         return result
+    if background.wanted(result):
+        def store() -> None:
+            _store(session, info, result, cold, components, capture.observed, rebuild=False)
+
+        if background.start(store, info.key, info.name, _report_background,
+                            keep_fds=[session.chan.sock.fileno()]):
+            # The child has the session now (its lease, its socket): this process only
+            # closes its copy, when ``load`` leaves ``with session``. The caller gets the
+            # loader's own object: it *is* the plain load. Its tensors are the loader's
+            # memory (or the source file's mapping, which the entry links to), so this
+            # process is not listed as a holder of the entry, and a later store that
+            # includes them copies their bytes instead of referencing the segment.
+            _keys.remember(result, info.key)
+            _emit(LoadEvent(info.key, info.name, "cold", time.perf_counter() - start,
+                            cold_seconds=cold))
+            return result
     failure: BaseException | None = None
     try:
         obj = _store(session, info, result, cold, components, capture.observed)
     except (OvermindError, OSError) as exc:
         failure = exc
     if failure is not None:
-        verb = "not cached" if isinstance(failure, NotCacheable) else "could not be cached"
-        _warn_once(f"store:{info.key}:{failure}", f"{info.name} was loaded but {verb}: {failure}")
+        _warn_not_stored(info.key, info.name, str(failure), isinstance(failure, NotCacheable))
         _emit(LoadEvent(info.key, info.name, "uncached", time.perf_counter() - start,
                         reason=str(failure)))
         return result
@@ -287,6 +304,17 @@ def _load_with(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
         # (0.05-0.15 s for an SD UNet; ``malloc_trim`` runs without the GIL).
         threading.Thread(target=_trim_heap, name="overmind-lab-trim", daemon=True).start()
     return obj  # type: ignore[no-any-return]
+
+
+def _warn_not_stored(key: str, name: str, error: str, not_cacheable: bool) -> None:
+    verb = "not cached" if not_cacheable else "could not be cached"
+    _warn_once(f"store:{key}:{error}", f"{name} was loaded but {verb}: {error}")
+
+
+def _report_background(outcome: background.StoreOutcome) -> None:
+    """A background store ended (called from the thread that reaped the child)."""
+    if outcome.error is not None:
+        _warn_not_stored(outcome.key, outcome.name, outcome.error, outcome.not_cacheable)
 
 
 def _hit(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
@@ -357,8 +385,10 @@ def _verify(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any
 
 
 def _store(session: Session, info: _keys.KeyInfo, result: Any, cold: float,
-           components: dict[str, Any], observed: observe.Observed) -> Any:
-    """Park ``result`` in a new segment; return the object rebuilt from the cache."""
+           components: dict[str, Any], observed: observe.Observed, *,
+           rebuild: bool = True) -> Any:
+    """Park ``result`` in a new segment; return the object rebuilt from the cache (with
+    ``rebuild``, else ``None``)."""
     from overmind_lab._errors import ProtocolError
 
     t0 = time.perf_counter()
@@ -404,6 +434,8 @@ def _store(session: Session, info: _keys.KeyInfo, result: Any, cold: float,
         "store_seconds": time.perf_counter() - t0, "call": info.call,
         "validate": info.validate,
     })
+    if not rebuild:
+        return None
     # Rebuild from the segment, as every later process will: the loader's own copy can
     # be freed, and the result carries its provenance (Note [Provenance]).
     entry, fds = session.lookup(info.key, own=True)

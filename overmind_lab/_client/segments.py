@@ -37,7 +37,7 @@ from typing import Any
 
 from overmind_lab import _native
 
-__all__ = ["write_segment", "map_segment", "Mapping", "find_mapping", "prefault"]
+__all__ = ["write_segment", "map_segment", "Mapping", "find_mapping", "mapped_fds", "prefault"]
 #: Set to 1 to fault every page of a warm load in before returning. Off by default: a
 #: warm load then costs the same for 1 GB or 10 GB, and pages fault in on first use.
 PREFAULT_ENV = "OVERMIND_LAB_PREFAULT"
@@ -160,6 +160,12 @@ def _forget(address: int, fd: int) -> None:
             del _starts[i]
             del _maps[i]
     os.close(fd)
+
+
+def mapped_fds() -> list[int]:
+    """The descriptors of the live mappings (``pristine_equal`` reads through them)."""
+    with _lock:
+        return [m.fd for m in _maps]
 
 
 def find_mapping(address: int, nbytes: int) -> tuple[Mapping, int] | None:

@@ -198,7 +198,8 @@ class Bench:
                       f"first {_fmt_s(result['stats']['first']['load'] and result['stats']['first']['load']['median'])}, "
                       f"warm {_fmt_s(result['stats']['warm']['load'] and result['stats']['warm']['load']['median'])}; "
                       f"warm/plain {r['warm_over_plain'] and round(r['warm_over_plain'], 4)}, "
-                      f"first/plain {r['first_over_plain'] and round(r['first_over_plain'], 2)}; "
+                      f"first/plain {r['first_over_plain'] and round(r['first_over_plain'], 2)} "
+                      f"(stored/plain {r['first_stored_over_plain'] and round(r['first_stored_over_plain'], 2)}); "
                       f"load+touch: first/plain {r['first_total_over_plain'] and round(r['first_total_over_plain'], 2)}, "
                       f"warm/plain {r['warm_total_over_plain'] and round(r['warm_total_over_plain'], 3)}, "
                       f"restart/plain {r['restart_total_over_plain'] and round(r['restart_total_over_plain'], 3)}")
