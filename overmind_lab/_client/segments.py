@@ -122,6 +122,25 @@ _starts: list[int] = []
 _maps: list[Mapping] = []
 
 
+def _fresh_lock_after_fork() -> None:
+    """Note [The mapping registry across fork]: a background store runs in a forked child
+    (Note [Storing in a forked process]) that looks mappings up while it pickles. Had
+    another thread held ``_lock`` at the fork (mapping a segment, or a finalizer unmapping
+    one), the child's copy would stay locked for good and the store would hang, holding
+    the key's lease. The child, which has one thread, gets a new lock instead. (Taking
+    the lock around every fork would be worse: the other fork handlers run Python code,
+    a garbage collection there runs ``_forget``, which would wait for the lock its own
+    thread holds.) Lists that another thread was changing at the fork may be out of step
+    in the child: a lookup then finds a wrong mapping or none, its bytes do not compare
+    equal, and they are copied instead of referenced.
+    """
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock_after_fork)
+
+
 def map_segment(segment_id: str, size: int, fd: int) -> tuple[Mapping, mmap.mmap]:
     """Map ``fd`` copy-on-write; takes ownership of ``fd`` (closed with the mapping).
 
