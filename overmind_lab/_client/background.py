@@ -7,9 +7,9 @@ UNet) and, for a converted model (fp32 -> fp16), writing 1.7 GB into a new segme
 (0.5-0.9 s here), then reading the entry back (~0.04 s). A large result's caller gets the
 loader's own object instead of the read-back: it is the plain load, and the store then
 needs nothing from the caller but a consistent picture of the result. A thread would not
-give one: the caller may change the model in place right after the load
-returns (``load_state_dict``, ``.half()``, a training step), and the cache would then
-keep a mix of before and after. ``fork()`` gives it: the child sees the process exactly as
+give one: the caller may change the model in place right after the load returns
+(``load_state_dict``, ``.half()``, a training step), and the cache would then keep a mix
+of before and after. ``fork()`` gives it: the child sees the process exactly as
 it was when the load returned, copy-on-write, whatever the caller does next.
 
 So for results with at least ``MIN_BYTES`` of CPU tensors, ``start`` forks and the child
@@ -35,9 +35,10 @@ returns. The rules, in order:
   The caller's file objects whose descriptors were closed are left alone: the store
   drops no reference to them, and the child runs no garbage collection
   (``gc.disable()``), so no stale ``close`` can hit a descriptor number that the store
-  opened meanwhile. Its
-  outcome goes back through a pipe, one JSON line; a thread in the caller reads it, reaps
-  the child, and warns there when the store failed, as a synchronous store would.
+  opened meanwhile.
+- The child's outcome goes back through a pipe, one JSON line; a thread in the caller
+  reads it, reaps the child, and warns there when the store failed, as a synchronous
+  store would.
 - The child ends with ``os._exit``: no ``atexit`` handler, finalizer or library teardown
   of the caller's runs twice.
 - Only CPU tensors: a CUDA context does not survive a fork, so a result with tensors on
@@ -46,8 +47,8 @@ returns. The rules, in order:
   If ``fork()`` fails, the store runs synchronously.
 
 What the caller pays is the fork itself: copying the page tables of its address space
-(tens of milliseconds for a kernel holding a converted SD UNet), and, while the child
-lives (about a second), a page copy for each page it writes to for the first time. What
+(13-17 ms here for a process holding an SD UNet or a 1.1B Llama), and, while the child
+lives (one to two seconds), a page copy for each page it writes to for the first time. What
 a user may notice: ``overmind-lab list`` shows the entry about a second after the load
 returns, and a library that prints on fork (HF ``tokenizers``, when its thread pool was
 used before) says so in the child, on the caller's stderr. ``wait_for_stores()`` waits
