@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -169,3 +170,48 @@ def test_cold_after_a_restart_runs_the_original_loader(
     out = kernel.run(setup + load.replace("%overmind_load ", "%overmind_load --cold "))
     assert "(cache bypassed)" in out
     assert len((tmp_path / "marks").read_text().split()) == 2
+
+
+BACKGROUND_LOAD = """
+import json, overmind_lab
+from overmind_lab._client.background import pending_stores
+from tests.loaders import counting_module
+with overmind_lab.record_loads() as events:
+    model = overmind_lab.load(counting_module, 4096)
+print(json.dumps({"outcome": events[-1].outcome, "storing": [s.pid for s in pending_stores()],
+                  "sum": float(model.weight.detach().sum())}))
+"""
+
+
+def test_a_store_under_way_survives_an_interrupt_and_a_kernel_restart(
+        daemon: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """jupyter_client interrupts with SIGINT and restarts with SIGKILL, both sent to the
+    kernel's process group: a store started by the last cell before a restart (Note
+    [Storing in a forked process]) is in a session of its own, and lands."""
+    from tests.loaders import PICKLE_DELAY_ENV
+
+    monkeypatch.setenv("JUPYTER_PLATFORM_DIRS", "1")
+    env = dict(os.environ)
+    env.update({"OVERMIND_LAB_SOCKET": str(daemon.path), "PYTHONPATH": REPO,
+                "OVERMIND_LAB_BACKGROUND_STORE": "always", PICKLE_DELAY_ENV: "4"})
+    kernel = Kernel(env)
+    try:
+        first = json.loads(kernel.run(BACKGROUND_LOAD).splitlines()[-1])
+        assert first["outcome"] == "cold" and len(first["storing"]) == 1
+        assert daemon.entries() == []  # still pickling
+        kernel.km.interrupt_kernel()
+        kernel.km.restart_kernel(now=True)  # SIGKILL to the kernel's process group
+        kernel.kc.wait_for_ready(timeout=120)
+        second = json.loads(kernel.run(BACKGROUND_LOAD).splitlines()[-1])
+    finally:
+        kernel.close()
+    # the new kernel's load waited for the store on the key's lease, then hit
+    assert second == {"outcome": "warm", "storing": [], "sum": float(sum(range(4096)))}
+    assert first["sum"] == second["sum"]
+    [entry] = daemon.entries()
+    assert entry["hits"] == 1
+    child = Path(f"/proc/{first['storing'][0]}")
+    deadline = time.monotonic() + 30  # it ends right after its store, and init reaps it
+    while child.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not child.exists()
