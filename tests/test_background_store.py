@@ -79,6 +79,7 @@ def test_a_change_right_after_the_load_does_not_reach_the_cache(
     with overmind_lab.record_loads() as events:
         model = overmind_lab.load(counting_module, 4096)
     assert events[-1].outcome == "cold" and overmind_lab.key_of(model) == events[-1].key
+    assert events[-1].summary().endswith("(being cached in the background)")
     [store] = background.pending_stores()
     assert own_session(store.pid)  # interrupts and a kernel's killpg do not reach it
     assert daemon.entries() == []  # the load returned while the child is still pickling

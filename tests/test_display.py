@@ -6,6 +6,7 @@ from __future__ import annotations
 from overmind_lab._common.messages import EntryJson, Status
 from overmind_lab._jupyter.display import (
     ENTRY_HEADERS,
+    describe_load,
     entry_row,
     entry_speedup,
     format_speedup,
@@ -61,3 +62,14 @@ def test_the_status_line_of_a_running_daemon_and_of_none() -> None:
     down: Status = {"running": False, "socket": "/run/o.sock", "error": "refused"}
     assert status_line(down) == ("no daemon is running on /run/o.sock: the first cached "
                                  "load starts one (refused)")
+
+
+def test_a_first_load_says_whether_it_is_cached_now_or_in_the_background() -> None:
+    from overmind_lab._client.load import LoadEvent
+
+    name = "UNet2DConditionModel.from_pretrained('/m/unet')"
+    stored = LoadEvent("k", name, "cold", 0.31, cold_seconds=0.3)
+    forked = LoadEvent("k", name, "cold", 0.31, cold_seconds=0.3,
+                       reason="being cached in the background")
+    assert describe_load(stored) == f"cold 0.31 s, now cached  {name}"
+    assert describe_load(forked) == f"cold 0.31 s, being cached in the background  {name}"

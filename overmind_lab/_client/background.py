@@ -72,13 +72,15 @@ from typing import Any, NoReturn
 
 from overmind_lab._client import segments
 
-__all__ = ["BACKGROUND_ENV", "MIN_BYTES", "StoreOutcome", "wanted", "start", "pending_stores",
-           "wait_for_stores"]
+__all__ = ["BACKGROUND_ENV", "MIN_BYTES", "REASON", "StoreOutcome", "wanted", "start",
+           "pending_stores", "wait_for_stores"]
 
 #: ``auto`` (default: results with at least ``MIN_BYTES`` of CPU tensors), ``always``
 #: (every result whose tensors are all on the CPU) or ``never``.
 BACKGROUND_ENV = "OVERMIND_LAB_BACKGROUND_STORE"
 MIN_BYTES = 64 << 20
+#: The ``reason`` of the load event of a first load stored in the background.
+REASON = "being cached in the background"
 
 
 @dataclass

@@ -284,7 +284,7 @@ def _load_with(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
             # includes them copies their bytes instead of referencing the segment.
             _keys.remember(result, info.key)
             _emit(LoadEvent(info.key, info.name, "cold", time.perf_counter() - start,
-                            cold_seconds=cold))
+                            cold_seconds=cold, reason=background.REASON))
             return result
     failure: BaseException | None = None
     try:

@@ -102,7 +102,7 @@ def describe_load(event: Any) -> str:
         if getattr(event, "verified", None):
             text += ", verified equal to a plain load"
     elif outcome == "cold":
-        text = f"cold {seconds}, now cached"
+        text = f"cold {seconds}, {reason or 'now cached'}"
     elif outcome == "bypass":
         text = f"cold {seconds} (cache bypassed)"
     elif outcome == "uncached":
