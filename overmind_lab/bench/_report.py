@@ -101,17 +101,15 @@ def summarize(case: dict[str, Any]) -> None:
                                           and r.get("outcome") != _EXPECTED_OUTCOME[mode]}),
         }
 
-    def med(mode: str) -> float | None:
-        s = case["stats"][mode]["load"]
+    def median(mode: str, what: str) -> float | None:
+        s = case["stats"][mode][what]
         return None if s is None else float(s["median"])
+
+    def med(mode: str) -> float | None:
+        return median(mode, "load")
 
     def total(mode: str) -> float | None:
-        s = case["stats"][mode]["total"]
-        return None if s is None else float(s["median"])
-
-    def stored(mode: str) -> float | None:
-        s = case["stats"][mode]["stored"]
-        return None if s is None else float(s["median"])
+        return median(mode, "total")
 
     case["ratios"] = {
         "warm_total_over_plain": ratio(total("warm"), total("plain")),
@@ -120,7 +118,7 @@ def summarize(case: dict[str, Any]) -> None:
         "reboot_total_over_plain_cold": ratio(total("reboot"), total("plain-cold")),
         "warm_over_plain": ratio(med("warm"), med("plain")),
         "first_over_plain": ratio(med("first"), med("plain")),
-        "first_stored_over_plain": ratio(stored("first"), med("plain")),
+        "first_stored_over_plain": ratio(median("first", "stored"), med("plain")),
         "warm_over_first": ratio(med("warm"), med("first")),
     }
 
