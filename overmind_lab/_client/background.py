@@ -90,8 +90,7 @@ class StoreOutcome:
     key: str
     name: str
     pid: int
-    started: float  # time.monotonic() of the fork
-    finished: float | None = None
+    finished: float | None = None  # time.monotonic() when the caller saw it end
     error: str | None = None
     not_cacheable: bool = False
     done: threading.Event = field(default_factory=threading.Event)
@@ -171,7 +170,7 @@ def start(store: Callable[[], None], key: str, name: str,
         _child(store, write_end, keep_fds)
     signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
     os.close(write_end)
-    outcome = StoreOutcome(key, name, pid, time.monotonic())
+    outcome = StoreOutcome(key, name, pid)
     with _lock:
         _pending.append(outcome)
     threading.Thread(target=_reap, args=(outcome, read_end, report),
