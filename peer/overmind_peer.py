@@ -100,6 +100,9 @@ def pytest_configure(config: pytest.Config) -> None:
     tmp = tempfile.TemporaryDirectory(prefix="omp-", dir="/tmp")
     sock = Path(tmp.name) / "d.sock"
     os.environ["OVERMIND_LAB_SOCKET"] = str(sock)
+    # Its own cache directory too, removed with the socket at the end: the user's default
+    # (~/.cache/overmind-lab) must not collect the suite's entries.
+    os.environ["OVERMIND_LAB_CACHE_DIR"] = str(Path(tmp.name) / "cache")
     client = Client(sock)
     _daemon.update(tmp=tmp, client=client, verify=verify)
     client.start()
