@@ -125,3 +125,65 @@ def unpicklable_module(n: int) -> torch.nn.Module:
     module = Counting(n)
     module.source = (i for i in range(n))
     return module
+
+
+def _identity_hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
+    return output
+
+
+class Remembering(torch.nn.Module):
+    """A module with its own pickling hook (a custom
+    ``__setstate__``, which counts its calls), and points back at its parent (a cycle
+    through the module tree)."""
+
+    setstate_calls = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(3))
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        Remembering.setstate_calls += 1
+
+
+def layouts() -> dict[str, Any]:
+    """Tensors and modules in every layout the lean rebuilds must keep exactly: shared
+    and tied storages, views at an offset, transposed and size-1 strides, empty tensors,
+    dtypes numpy lacks, two dtypes over one storage, attributes on a tensor, modules
+    with a hook, a custom ``__setstate__``, a cycle and a compiled-call slot."""
+    base = torch.arange(48, dtype=torch.float32).view(6, 8) * 0.5
+    linear = torch.nn.utils.skip_init  # no random draw (such loads are not cached)
+    model = torch.nn.Sequential(linear(torch.nn.Linear, 8, 8), linear(torch.nn.Linear, 8, 8),
+                                Remembering())
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.copy_(torch.arange(p.numel(), dtype=p.dtype).view_as(p) * (i + 1))
+    model[1].weight = model[0].weight  # tied: one Parameter twice
+    model[2].parent = model  # a cycle
+    hooked = linear(torch.nn.Linear, 2, 2)
+    with torch.no_grad():
+        hooked.weight.fill_(1.0)
+        hooked.bias.fill_(0.0)
+    hooked.register_forward_hook(_identity_hook)
+    model.add_module("hooked", hooked)
+    model[0]._compiled_call_impl = None  # dropped by Module.__getstate__
+    attributed = base[1].clone()
+    attributed.note = "kept"
+    return {
+        "model": model,
+        "base": base,
+        "row": base[2],  # a view at a storage offset
+        "columns": base.t(),  # transposed
+        "narrow": base[:, 1:3],
+        "unit": base[3:4].unsqueeze(0),  # size-1 dimensions
+        "as_bytes": base.view(torch.uint8),  # another dtype over the same storage
+        "alone": torch.arange(5, dtype=torch.int64),
+        "bf16": torch.arange(7, dtype=torch.bfloat16),
+        "empty": torch.empty(0, 3),
+        "scalar": torch.tensor(2.5),
+        "flags": torch.tensor([True, False, True]),
+        "grad": torch.ones(4, requires_grad=True),
+        "param": torch.nn.Parameter(torch.zeros(2, 2), requires_grad=False),
+        "attributed": attributed,
+    }

@@ -2,14 +2,17 @@
 
 :class:`StoragePickler` is a protocol-5 pickler whose ``reducer_override`` turns every
 torch storage into a small reference, a call ``_storage(segment, offset, nbytes, dtype,
-device, typed)``, and whose ``buffer_callback`` takes large ``PickleBuffer`` objects
-(numpy arrays) out of the stream too. The stream itself is metadata only (~100 KB for a UNet). A
-:class:`WritePlan` decides where every byte goes: into the new segment, or, for a storage
-that already lives unchanged in a cached segment, nowhere (Note [Provenance] in
-``_segments``).
+device, typed)``, every plain CPU tensor into one call ``rebuild_tensor(segment, offset,
+nbytes, layout...)`` (Note [One call per tensor]), and every ``nn.Module`` without hooks
+into the object plus its non-default fields (Note [Modules in one call]); its
+``buffer_callback`` takes large ``PickleBuffer`` objects (numpy arrays) out of the stream
+too. The stream itself is metadata only (~100 KB for a UNet). A :class:`WritePlan`
+decides where every byte goes: into the new segment, or, for a storage that already lives
+unchanged in a cached segment, nowhere (Note [Provenance] in ``_segments``).
 
-Unpickling rebuilds storages with ``torch.frombuffer`` over the private mapping: no byte
-is copied, the tensor keeps the mapping alive.
+Unpickling rebuilds storages over the private mapping (``torch.frombuffer``, or
+``torch.from_numpy`` of an array over it): no byte is copied, the tensor keeps the
+mapping alive.
 
 Nothing here is registered on a global pickler. ``dill`` is the fallback for objects
 plain pickle refuses (lambdas, nested functions).
@@ -17,7 +20,9 @@ plain pickle refuses (lambdas, nested functions).
 
 from __future__ import annotations
 
+import copyreg
 import ctypes
+import functools
 import importlib
 import io
 import json
@@ -26,6 +31,7 @@ import pickle
 import sys
 import threading
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,12 +129,14 @@ class WritePlan:
         return False
 
 
-def reduce_tensor(t: Any, is_param: bool) -> Any:
+def reduce_tensor(t: Any, is_param: bool, plan: WritePlan) -> Any:
     """A lean reduction for plain CPU tensors and parameters (see ``rebuild_tensor``).
 
     torch's own reduction costs ~10x more to rebuild (fake-mode detection, hook dicts);
     everything it handles that this does not (other layouts, devices, autograd history,
-    conjugate views, subclasses) goes through torch's reduction unchanged.
+    conjugate views, subclasses) goes through torch's reduction unchanged. The storage
+    is placed here and named by its location, in the same call (Note [One call per
+    tensor]).
     """
     import torch
 
@@ -136,24 +144,152 @@ def reduce_tensor(t: Any, is_param: bool) -> Any:
             or t.is_conj() or t.is_neg() or t.grad_fn is not None
             or getattr(t, "_backward_hooks", None) or t.is_nested):
         return NotImplemented
+    untyped = t.untyped_storage()
+    seg, offset = plan.reduce_storage(untyped)
     state = dict(t.__dict__) or None
-    return (rebuild_tensor, (t.untyped_storage(), t.storage_offset(), tuple(t.size()),
-                             t.stride(), t.dtype, t.requires_grad, is_param, state))
+    return (rebuild_tensor, (seg, offset, int(untyped.nbytes()), t.storage_offset(),
+                             tuple(t.size()), t.stride(), t.dtype, t.requires_grad,
+                             is_param, state))
 
 
-def rebuild_tensor(storage: Any, offset: int, size: tuple[int, ...], stride: tuple[int, ...],
-                   dtype: Any, requires_grad: bool, is_param: bool,
-                   state: dict[str, Any] | None) -> Any:
-    import torch
-
-    t = torch.empty(0, dtype=dtype).set_(storage, offset, size, stride)
+# Note [One call per tensor]: a warm load of an SD UNet rebuilds 686 tensors, and the
+# fp32 -> fp16 benchmark target leaves ~15 ms for the whole load. So a plain CPU tensor
+# is one call in the stream, ``rebuild_tensor(location, layout, ...)``, which makes its
+# storage and the tensor over it: not a tensor call taking a storage call's result (one
+# pickle REDUCE and one Python call fewer per tensor, ~7 µs). The storage is looked up by
+# its location (segment, offset, size) in the stream's memo, the same one ``_storage``
+# uses, so tensors that share a storage, and a storage pickled on its own, still come
+# back as one storage object. The torch functions are bound once per stream
+# (``_Frame``), not imported per call.
+def rebuild_tensor(seg: int, offset: int, nbytes: int, storage_offset: int,
+                   size: tuple[int, ...], stride: tuple[int, ...], dtype: Any,
+                   requires_grad: bool, is_param: bool, state: dict[str, Any] | None) -> Any:
+    if not _loading.stack:
+        raise pickle.UnpicklingError("a cached tensor outside of load_stream")
+    frame = _loading.stack[-1]
+    key = (seg, offset, nbytes)
+    untyped = frame.memo.get(key)
+    np_dtype = frame.numpy_dtypes.get(dtype) if untyped is None else None
+    if np_dtype is not None and storage_offset == 0 and nbytes and _covers(
+            size, stride, dtype.itemsize, nbytes):
+        # The storage's only layout spans all of it: numpy makes the array over the
+        # bytes in its shape, and the tensor over that array (no ``set_``).
+        step = dtype.itemsize
+        t = frame.from_numpy(frame.ndarray(size, np_dtype, frame.buffers[seg], offset,
+                                           tuple(x * step for x in stride)))
+        frame.memo[key] = t.untyped_storage()
+    else:
+        t = frame.empty(0, dtype=dtype)
+        if untyped is None:
+            untyped = frame.storage(seg, offset, nbytes, "cpu")
+        t.set_(untyped, storage_offset, size, stride)
     if is_param:
-        t = torch.nn.Parameter(t, requires_grad=requires_grad)
+        t = frame.make_subclass(frame.parameter, t, requires_grad)
     elif requires_grad:
         t.requires_grad_(True)
     if state:
         t.__dict__.update(state)
     return t
+
+
+def _covers(size: tuple[int, ...], stride: tuple[int, ...], itemsize: int, nbytes: int) -> bool:
+    """Whether a tensor of this layout, at offset 0, is row-major over exactly ``nbytes``."""
+    expected = 1
+    for n, st in zip(reversed(size), reversed(stride), strict=True):
+        if n != 1 and st != expected:
+            return False
+        expected *= n
+    return expected * itemsize == nbytes
+
+
+# Note [Modules in one call]: pickled the default way, every ``nn.Module`` carries the
+# eleven empty ``OrderedDict`` hook tables that ``Module.__init__`` makes, each a global
+# lookup, a call and a memo entry in the stream: for an SD UNet (709 modules) more than
+# 8,000 calls, about a third of the time a warm load spends rebuilding the module tree.
+# A module whose hook tables are all empty is pickled as the object (``__newobj__``, so
+# it is in the memo before its state, and references back to it still resolve) plus the
+# six other standard fields and its own attributes; ``_set_module_state`` makes fresh
+# empty tables and calls ``__setstate__`` with the same dict, in the same key order, that
+# the default pickling would pass. Only for classes that do not customise pickling, only
+# while torch's ``Module.__init__`` makes exactly the fields below (checked at run time),
+# and ``_compiled_call_impl`` is dropped as ``Module.__getstate__`` drops it. Anything
+# else (a hook registered, an unknown layout) is pickled the default way.
+_MODULE_FIELDS = (
+    "training", "_parameters", "_buffers", "_non_persistent_buffers_set",
+    "_backward_pre_hooks", "_backward_hooks", "_is_full_backward_hook", "_forward_hooks",
+    "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs", "_state_dict_hooks", "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks", "_modules")
+_HOOK_TABLES = tuple(f for f in _MODULE_FIELDS if f.endswith("_hooks"))
+#: pickle writes a reduction by this function as NEWOBJ (``cls.__new__(cls)``)
+_NEWOBJ: Any = copyreg.__newobj__  # type: ignore[attr-defined]
+
+
+@functools.lru_cache(maxsize=1)
+def _module_layout_known() -> bool:
+    import torch
+
+    fresh = torch.nn.Module().__dict__
+    return tuple(fresh) == _MODULE_FIELDS and all(
+        type(fresh[f]) is OrderedDict and not fresh[f] for f in _HOOK_TABLES)
+
+
+def _default_module_pickling(cls: type) -> bool:
+    import torch
+
+    return (issubclass(cls, torch.nn.Module)
+            and cls.__reduce_ex__ is object.__reduce_ex__
+            and cls.__reduce__ is object.__reduce__
+            and cls.__getstate__ is torch.nn.Module.__getstate__
+            and not hasattr(cls, "__getnewargs_ex__") and not hasattr(cls, "__getnewargs__")
+            and cls not in copyreg.dispatch_table)
+
+
+def reduce_module(module: Any) -> Any:
+    state = module.__dict__
+    names = tuple(state)
+    if names[:len(_MODULE_FIELDS)] != _MODULE_FIELDS:
+        return NotImplemented
+    for table in _HOOK_TABLES:
+        value = state[table]
+        if type(value) is not OrderedDict or value:
+            return NotImplemented
+    rest = {k: state[k] for k in names[len(_MODULE_FIELDS):] if k != "_compiled_call_impl"}
+    return (_NEWOBJ, (type(module),),
+            (state["training"], state["_parameters"], state["_buffers"],
+             state["_non_persistent_buffers_set"], state["_is_full_backward_hook"],
+             state["_modules"], rest or None),
+            None, None, _set_module_state)
+
+
+def _set_module_state(module: Any, compact: tuple[Any, ...]) -> None:
+    training, parameters, buffers, non_persistent, full_backward, modules, rest = compact
+    od = OrderedDict
+    state = {  # _MODULE_FIELDS, in order
+        "training": training, "_parameters": parameters, "_buffers": buffers,
+        "_non_persistent_buffers_set": non_persistent, "_backward_pre_hooks": od(),
+        "_backward_hooks": od(), "_is_full_backward_hook": full_backward,
+        "_forward_hooks": od(), "_forward_hooks_with_kwargs": od(),
+        "_forward_hooks_always_called": od(), "_forward_pre_hooks": od(),
+        "_forward_pre_hooks_with_kwargs": od(), "_state_dict_hooks": od(),
+        "_state_dict_pre_hooks": od(), "_load_state_dict_pre_hooks": od(),
+        "_load_state_dict_post_hooks": od(), "_modules": modules,
+    }
+    if rest:
+        state.update(rest)
+    if type(module).__setstate__ is _module_setstate() and not module.__dict__:
+        # What Module.__setstate__ would do (update an empty __dict__, then add the
+        # fields it lacks: none), without copying the dict.
+        object.__setattr__(module, "__dict__", state)
+    else:
+        module.__setstate__(state)
+
+
+@functools.lru_cache(maxsize=1)
+def _module_setstate() -> Any:
+    import torch
+
+    return torch.nn.Module.__setstate__
 
 
 _BPE_OPTIONS = ("dropout", "unk_token", "continuing_subword_prefix", "end_of_word_suffix",
@@ -223,7 +359,9 @@ def _make_pickler(base: type, file: io.BytesIO, plan: WritePlan,
                   components: dict[int, str]) -> Any:
     import torch
 
-    storage_kinds: dict[type, str] = {}  # type -> "typed", "untyped" or "" (not a storage)
+    # type -> "typed" or "untyped" (storages), "module" (Note [Modules in one call]), ""
+    kinds: dict[type, str] = {}
+    compact_modules = _module_layout_known()
 
     class StoragePickler(base):  # type: ignore[misc]
         # Note [The pickler's hot path]: a pickler with a ``persistent_id`` method calls
@@ -241,12 +379,16 @@ def _make_pickler(base: type, file: io.BytesIO, plan: WritePlan,
                     return (_component, (key,))
             cls = type(obj)
             if cls is torch.Tensor or cls is torch.nn.Parameter:
-                return reduce_tensor(obj, cls is torch.nn.Parameter)
-            kind = storage_kinds.get(cls)
+                return reduce_tensor(obj, cls is torch.nn.Parameter, plan)
+            kind = kinds.get(cls)
             if kind is None:
-                kind = storage_kinds[cls] = (
+                kind = kinds[cls] = (
                     "typed" if issubclass(cls, torch.storage.TypedStorage)
-                    else "untyped" if issubclass(cls, torch.UntypedStorage) else "")
+                    else "untyped" if issubclass(cls, torch.UntypedStorage)
+                    else "module" if compact_modules and _default_module_pickling(cls)
+                    else "")
+            if kind == "module":
+                return reduce_module(obj)
             if kind:
                 if kind == "typed":
                     untyped, dtype, typed = obj._untyped_storage, obj.dtype, True
@@ -315,40 +457,88 @@ def _dill() -> Any:
 
 
 # -- rebuild_* --------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def _numpy_dtypes() -> dict[Any, Any]:
+    """torch dtypes that numpy has too (not bfloat16 nor the float8 types)."""
+    import numpy
+    import torch
+
+    names = ("float16", "float32", "float64", "complex64", "complex128", "int8", "uint8",
+             "int16", "int32", "int64", "bool")
+    return {getattr(torch, n): numpy.dtype(n) for n in names}
+
+
+class _Frame:
+    """One stream being unpickled: its mapped segments (and a view of each), the storages
+    rebuilt so far by location, the components passed to the call, and the torch
+    functions the rebuild calls (Note [One call per tensor])."""
+
+    def __init__(self, mappings: list[Mapping], components: dict[str, Any]) -> None:
+        import torch
+
+        self.mappings = mappings
+        self.views = [memoryview(m.mm) for m in mappings]
+        self.components = components
+        self.memo: dict[tuple[int, int, int], Any] = {}
+        self.buffers = [m.mm for m in mappings]
+        self.frombuffer = torch.frombuffer
+        self.empty = torch.empty
+        self.uint8 = torch.uint8
+        self.make_subclass = torch.Tensor._make_subclass
+        self.parameter = torch.nn.Parameter
+        self.from_numpy = torch.from_numpy
+        numpy = sys.modules.get("numpy")  # never imported for this
+        self.ndarray: Any = numpy.ndarray if numpy is not None else None
+        self.numpy_dtypes = _numpy_dtypes() if numpy is not None else {}
+
+    def storage(self, seg: int, offset: int, nbytes: int, device: str) -> Any:
+        """The untyped storage over ``[offset, +nbytes)`` of segment ``seg`` (no copy)."""
+        key = (seg, offset, nbytes)
+        untyped = self.memo.get(key)
+        if untyped is None:
+            if nbytes:
+                view = self.views[seg][offset:offset + nbytes]
+                untyped = self.frombuffer(view, dtype=self.uint8).untyped_storage()
+            else:
+                import torch
+
+                untyped = torch.UntypedStorage(0)  # type: ignore[no-untyped-call]
+            if device != "cpu":
+                untyped = _to_device(untyped, device)
+            self.memo[key] = untyped
+        return untyped
+
+    def release(self) -> None:
+        # Storages hold slices of the views, which keep the mappings alive on their own.
+        for view in self.views:
+            view.release()
+
+
 class _Loading(threading.local):
-    """What the stream being unpickled in this thread refers to: its mapped segments, the
-    storages rebuilt so far, and the components passed to the call (a stack: one
-    unpickling at a time per thread, but a rebuild may run inside another's)."""
+    """The streams being unpickled in this thread (a stack: one at a time per thread, but
+    a rebuild may run inside another's)."""
 
     def __init__(self) -> None:
-        self.stack: list[tuple[list[Mapping], dict[tuple[int, int, int], Any],
-                               dict[str, Any]]] = []
+        self.stack: list[_Frame] = []
 
 
 _loading = _Loading()
 
 
+def _frame() -> _Frame:
+    if not _loading.stack:
+        raise pickle.UnpicklingError("a cached object outside of load_stream")
+    return _loading.stack[-1]
+
+
 def _storage(seg: int, offset: int, nbytes: int, dtype_name: str, device: str,
              typed: bool) -> Any:
     """A storage over ``[offset, +nbytes)`` of mapped segment ``seg`` (no byte copied)."""
-    import torch
-
-    if not _loading.stack:
-        raise pickle.UnpicklingError("a cached storage outside of load_stream")
-    mappings, memo, _ = _loading.stack[-1]
-    key = (seg, offset, nbytes)
-    untyped = memo.get(key)
-    if untyped is None:
-        if nbytes:
-            view = mappings[seg].view(offset, nbytes)
-            untyped = torch.frombuffer(view, dtype=torch.uint8).untyped_storage()
-        else:
-            untyped = torch.UntypedStorage(0)  # type: ignore[no-untyped-call]
-        if device != "cpu":
-            untyped = _to_device(untyped, torch.device(device))
-        memo[key] = untyped
+    untyped = _frame().storage(seg, offset, nbytes, device)
     if not typed:
         return untyped
+    import torch
+
     dtype = getattr(torch, dtype_name)
     return torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
         wrap_storage=untyped, dtype=dtype, _internal=True)
@@ -356,19 +546,17 @@ def _storage(seg: int, offset: int, nbytes: int, dtype_name: str, device: str,
 
 def _component(key: str) -> Any:
     """The object passed to this call for the cached component ``key``."""
-    if not _loading.stack:
-        raise pickle.UnpicklingError("a cached component outside of load_stream")
     try:
-        return _loading.stack[-1][2][key]
+        return _frame().components[key]
     except KeyError:
         raise pickle.UnpicklingError(f"component {key} was not passed to this call") from None
 
 
-def _to_device(untyped: Any, device: Any) -> Any:
+def _to_device(untyped: Any, device: str) -> Any:
     import torch
 
     host = torch.empty(0, dtype=torch.uint8).set_(untyped)
-    return host.to(device).untyped_storage()
+    return host.to(torch.device(device)).untyped_storage()
 
 
 def _make_unpickler(base: type, file: io.BytesIO, buffers: list[memoryview]) -> Any:
@@ -385,13 +573,15 @@ def load_stream(stream: memoryview, kind: str, mappings: list[Mapping],
                 buffer_locations: list[tuple[int, int, int]],
                 components: dict[str, Any] | None = None) -> Any:
     """Rebuild an object from its stream and mapped segments (and passed components)."""
-    buffers = [mappings[s].view(o, n) for s, o, n in buffer_locations]
+    frame = _Frame(mappings, components or {})
+    buffers = [frame.views[s][o:o + n] for s, o, n in buffer_locations]
     base = pickle.Unpickler if kind == "pickle" else _dill().Unpickler
-    _loading.stack.append((mappings, {}, components or {}))
+    _loading.stack.append(frame)
     try:
         return _make_unpickler(base, io.BytesIO(stream), buffers).load()
     finally:
         _loading.stack.pop()
+        frame.release()
 
 
 # Note [Dynamic modules]: diffusers and transformers import code shipped with a model
