@@ -170,6 +170,7 @@ def layouts() -> dict[str, Any]:
     model[0]._compiled_call_impl = None  # dropped by Module.__getstate__
     attributed = base[1].clone()
     attributed.note = "kept"
+    alone = torch.arange(5, dtype=torch.int64)
     return {
         "model": model,
         "base": base,
@@ -178,7 +179,8 @@ def layouts() -> dict[str, Any]:
         "narrow": base[:, 1:3],
         "unit": base[3:4].unsqueeze(0),  # size-1 dimensions
         "as_bytes": base.view(torch.uint8),  # another dtype over the same storage
-        "alone": torch.arange(5, dtype=torch.int64),
+        "alone": alone,
+        "alone_again": alone.detach(),  # another tensor over the whole of the same storage
         "bf16": torch.arange(7, dtype=torch.bfloat16),
         "empty": torch.empty(0, 3),
         "scalar": torch.tensor(2.5),

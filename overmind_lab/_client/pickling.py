@@ -2,9 +2,9 @@
 
 :class:`StoragePickler` is a protocol-5 pickler whose ``reducer_override`` turns every
 torch storage into a small reference, a call ``_storage(segment, offset, nbytes, dtype,
-device, typed)``, every plain CPU tensor into one call ``rebuild_tensor(segment, offset,
-nbytes, layout...)`` (Note [One call per tensor]), and every ``nn.Module`` without hooks
-into the object plus its non-default fields (Note [Modules in one call]); its
+device, typed)``, every plain CPU tensor into one call ``rebuild_whole(segment, offset,
+nbytes, shape...)`` or ``rebuild_tensor`` (Note [One call per tensor]), every ``nn.Module``
+without hooks into the object plus its non-default fields (Note [Modules in one call]); its
 ``buffer_callback`` takes large ``PickleBuffer`` objects (numpy arrays) out of the stream
 too. The stream itself is metadata only (~100 KB for a UNet). A :class:`WritePlan`
 decides where every byte goes: into the new segment, or, for a storage that already lives
@@ -23,6 +23,7 @@ from __future__ import annotations
 import copyreg
 import ctypes
 import functools
+import gc
 import importlib
 import io
 import json
@@ -146,43 +147,71 @@ def reduce_tensor(t: Any, is_param: bool, plan: WritePlan) -> Any:
         return NotImplemented
     untyped = t.untyped_storage()
     seg, offset = plan.reduce_storage(untyped)
+    nbytes = int(untyped.nbytes())
     state = dict(t.__dict__) or None
-    return (rebuild_tensor, (seg, offset, int(untyped.nbytes()), t.storage_offset(),
-                             tuple(t.size()), t.stride(), t.dtype, t.requires_grad,
-                             is_param, state))
+    size = tuple(t.size())
+    if (nbytes and t.storage_offset() == 0 and t.stride() == _row_major(size)
+            and t.numel() * t.element_size() == nbytes):
+        return (rebuild_whole, (seg, offset, nbytes, size, t.dtype, t.requires_grad,
+                                is_param, state))
+    return (rebuild_tensor, (seg, offset, nbytes, t.storage_offset(), size, t.stride(),
+                             t.dtype, t.requires_grad, is_param, state))
+
+
+def _row_major(size: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(size):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
 
 
 # Note [One call per tensor]: a warm load of an SD UNet rebuilds 686 tensors, and the
 # fp32 -> fp16 benchmark target leaves ~15 ms for the whole load. So a plain CPU tensor
-# is one call in the stream, ``rebuild_tensor(location, layout, ...)``, which makes its
-# storage and the tensor over it: not a tensor call taking a storage call's result (one
-# pickle REDUCE and one Python call fewer per tensor, ~7 µs). The storage is looked up by
-# its location (segment, offset, size) in the stream's memo, the same one ``_storage``
-# uses, so tensors that share a storage, and a storage pickled on its own, still come
-# back as one storage object. The torch functions are bound once per stream
-# (``_Frame``), not imported per call.
+# is one call in the stream, which makes its storage and the tensor over it: not a tensor
+# call taking a storage call's result (one pickle REDUCE and one Python call fewer). Most
+# tensors are row-major over the whole of their storage: ``rebuild_whole`` makes them as
+# a numpy array over the mapped bytes, in their shape, and the tensor over it, with no
+# layout to pass or set (~4 µs a tensor, against ~10 µs); a dtype numpy lacks (bfloat16,
+# float8) and every other layout go through ``rebuild_tensor`` (``set_``). The storage
+# is looked up by its location (segment, offset, size) in the stream's memo, the same
+# one ``_storage`` uses, so tensors that share a storage, and a storage pickled on its
+# own, still come back as one storage object. The torch functions are bound once per
+# stream (``_Frame``), not imported per call.
+def rebuild_whole(seg: int, offset: int, nbytes: int, size: tuple[int, ...], dtype: Any,
+                  requires_grad: bool, is_param: bool, state: dict[str, Any] | None) -> Any:
+    frame = _frame()
+    key = (seg, offset, nbytes)
+    np_dtype = frame.numpy_dtypes.get(dtype)
+    if np_dtype is None or key in frame.memo:
+        return rebuild_tensor(seg, offset, nbytes, 0, size, _row_major(size), dtype,
+                              requires_grad, is_param, state)
+    t = frame.from_numpy(frame.ndarray(size, np_dtype, frame.buffers[seg], offset))
+    frame.memo[key] = t.untyped_storage()
+    return _finish(frame, t, requires_grad, is_param, state)
+
+
 def rebuild_tensor(seg: int, offset: int, nbytes: int, storage_offset: int,
                    size: tuple[int, ...], stride: tuple[int, ...], dtype: Any,
                    requires_grad: bool, is_param: bool, state: dict[str, Any] | None) -> Any:
-    if not _loading.stack:
-        raise pickle.UnpicklingError("a cached tensor outside of load_stream")
-    frame = _loading.stack[-1]
+    frame = _frame()
     key = (seg, offset, nbytes)
     untyped = frame.memo.get(key)
-    np_dtype = frame.numpy_dtypes.get(dtype) if untyped is None else None
-    if np_dtype is not None and storage_offset == 0 and nbytes and _covers(
-            size, stride, dtype.itemsize, nbytes):
-        # The storage's only layout spans all of it: numpy makes the array over the
-        # bytes in its shape, and the tensor over that array (no ``set_``).
-        step = dtype.itemsize
-        t = frame.from_numpy(frame.ndarray(size, np_dtype, frame.buffers[seg], offset,
-                                           tuple(x * step for x in stride)))
-        frame.memo[key] = t.untyped_storage()
+    if untyped is None and nbytes and nbytes % dtype.itemsize == 0:
+        # The storage's first tensor is made over the bytes in its own dtype, which
+        # saves a call; set_ then gives it its layout.
+        t = frame.frombuffer(frame.views[seg][offset:offset + nbytes], dtype=dtype)
+        untyped = frame.memo[key] = t.untyped_storage()
     else:
         t = frame.empty(0, dtype=dtype)
         if untyped is None:
             untyped = frame.storage(seg, offset, nbytes, "cpu")
-        t.set_(untyped, storage_offset, size, stride)
+    t.set_(untyped, storage_offset, size, stride)
+    return _finish(frame, t, requires_grad, is_param, state)
+
+
+def _finish(frame: _Frame, t: Any, requires_grad: bool, is_param: bool,
+            state: dict[str, Any] | None) -> Any:
     if is_param:
         t = frame.make_subclass(frame.parameter, t, requires_grad)
     elif requires_grad:
@@ -190,16 +219,6 @@ def rebuild_tensor(seg: int, offset: int, nbytes: int, storage_offset: int,
     if state:
         t.__dict__.update(state)
     return t
-
-
-def _covers(size: tuple[int, ...], stride: tuple[int, ...], itemsize: int, nbytes: int) -> bool:
-    """Whether a tensor of this layout, at offset 0, is row-major over exactly ``nbytes``."""
-    expected = 1
-    for n, st in zip(reversed(size), reversed(stride), strict=True):
-        if n != 1 and st != expected:
-            return False
-        expected *= n
-    return expected * itemsize == nbytes
 
 
 # Note [Modules in one call]: pickled the default way, every ``nn.Module`` carries the
@@ -572,14 +591,29 @@ def _make_unpickler(base: type, file: io.BytesIO, buffers: list[memoryview]) -> 
 def load_stream(stream: memoryview, kind: str, mappings: list[Mapping],
                 buffer_locations: list[tuple[int, int, int]],
                 components: dict[str, Any] | None = None) -> Any:
-    """Rebuild an object from its stream and mapped segments (and passed components)."""
+    """Rebuild an object from its stream and mapped segments (and passed components).
+
+    Note [No collection while rebuilding]: the cyclic garbage collector is off while the
+    stream is unpickled. An SD UNet's stream makes ~25,000 container objects (modules,
+    their dicts and hook tables, tensors); each allocation counts towards the young
+    generation's threshold (700), so the collector ran ~25 times per rebuild, walking
+    objects that are all still in use: 1.5-2 ms of an 11-13 ms rebuild, and a full
+    collection (the whole heap of torch and diffusers) could fall into it as well.
+    Nothing the unpickler makes is cyclic garbage (temporaries go by reference counts),
+    so nothing is kept longer; the collector is switched back on, if it was on, before
+    returning, and counts the new objects at its next run as it would have.
+    """
     frame = _Frame(mappings, components or {})
     buffers = [frame.views[s][o:o + n] for s, o, n in buffer_locations]
     base = pickle.Unpickler if kind == "pickle" else _dill().Unpickler
     _loading.stack.append(frame)
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         return _make_unpickler(base, io.BytesIO(stream), buffers).load()
     finally:
+        if collecting:
+            gc.enable()
         _loading.stack.pop()
         frame.release()
 
