@@ -167,6 +167,9 @@ def layouts() -> dict[str, Any]:
         hooked.bias.fill_(0.0)
     hooked.register_forward_hook(_identity_hook)
     model.add_module("hooked", hooked)
+    marked = linear(torch.nn.Linear, 2, 2)
+    marked._forward_hooks_always_called[7] = True  # one table, not the ones beside it
+    model.add_module("marked", marked)
     model[0]._compiled_call_impl = None  # dropped by Module.__getstate__
     attributed = base[1].clone()
     attributed.note = "kept"

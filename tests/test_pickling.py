@@ -56,6 +56,7 @@ def test_every_tensor_and_module_layout_comes_back_as_a_plain_load_gives_it(
         assert model[1].weight is model[0].weight  # still tied
         assert model[2].parent is model  # the cycle is closed
         assert len(model.hooked._forward_hooks) == 1
+        assert model.marked._forward_hooks_always_called == {7: True}
         for got, want in zip(model.modules(), reference.modules(), strict=True):
             for table in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
                           "_state_dict_hooks", "_load_state_dict_post_hooks"):

@@ -42,7 +42,7 @@ from overmind_lab._errors import NotCacheable
 __all__ = ["KeyInfo", "make_key", "key_of", "remember", "FORMAT_VERSION"]
 
 #: Bump when the stored layout changes: old entries then simply miss.
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 MAX_SOURCE_FILES = 20000
 _SOURCE_PARAMS = ("pretrained_model_name_or_path", "pretrained_model_link_or_path",
                   "path", "model_path")
