@@ -339,7 +339,8 @@ def _installed_versions() -> dict[str, str]:
 
 
 def _canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "_", name).lower()
+    fast = name.replace("-", "_").replace(".", "_").lower()  # no regex: ~150 per process
+    return fast if "__" not in fast else re.sub(r"[-_.]+", "_", name).lower()
 
 
 def _dist_info_versions() -> dict[str, str]:
@@ -360,11 +361,12 @@ def _dist_info_versions() -> dict[str, str]:
         except OSError:
             continue
         for name in names:
-            for suffix in (".dist-info", ".egg-info"):
-                if name.endswith(suffix):
-                    project, _, version = name[:-len(suffix)].partition("-")
-                    found.setdefault(_canonical(project),
-                                     version if suffix == ".dist-info" else "")
+            if not name.endswith("-info"):
+                continue
+            stem, _, suffix = name.rpartition(".")
+            if suffix in ("dist-info", "egg-info"):
+                project, _, version = stem.partition("-")
+                found.setdefault(_canonical(project), version if suffix == "dist-info" else "")
     return found
 
 
