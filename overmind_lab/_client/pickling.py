@@ -492,14 +492,13 @@ def _numpy_dtypes() -> dict[Any, Any]:
 
 
 class _Frame:
-    """One stream being unpickled: its mapped segments (and a view of each), the storages
+    """One stream being unpickled: a view of each of its mapped segments, the storages
     rebuilt so far by location, the components passed to the call, and the torch
     functions the rebuild calls (Note [One call per tensor])."""
 
     def __init__(self, mappings: list[Mapping], components: dict[str, Any]) -> None:
         import torch
 
-        self.mappings = mappings
         self.views = [memoryview(m.mm) for m in mappings]
         self.components = components
         self.memo: dict[tuple[int, int, int], Any] = {}
