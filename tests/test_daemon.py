@@ -161,3 +161,16 @@ def test_daemon_never_imports_torch(daemon: Client) -> None:
     proc = run_py("import sys, overmind_lab, overmind_lab.cli, overmind_lab._daemon.server; "
                   "import json; print(json.dumps('torch' in sys.modules))")
     assert last_json(proc) is False
+
+
+def test_a_clean_stop_removes_the_socket_file(sock_path: Path) -> None:
+    """Note [Removing our own socket]: after ``stop`` the path is gone, and the next
+    start does not take the leftover for the socket of a daemon that died."""
+    client = Client()
+    first = client.start()
+    assert sock_path.exists()
+    assert client.stop()
+    assert not sock_path.exists()
+    again = Client()
+    assert again.start()["pid"] != first["pid"]
+    assert not again.replaced_dead_daemon

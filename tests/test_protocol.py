@@ -144,3 +144,27 @@ def test_end_of_stream_closes_pending_descriptors(pair: tuple[socket.socket, Cha
     with pytest.raises(ProtocolError, match="closed the connection"):
         chan.recv()
     assert open_fds() == before
+
+
+def test_received_descriptors_do_not_cross_exec(pair: tuple[socket.socket, Channel]) -> None:
+    """Note [Received descriptors close on exec]: a program the receiver runs (a shell a
+    kernel starts) must not hold the segments it received. The sender's descriptor is
+    inheritable on purpose: the flag must come from the receiving side."""
+    import fcntl
+    import subprocess
+    import sys
+
+    raw, chan = pair
+    fd = os.memfd_create("olt-protocol-exec", 0)  # inheritable, unlike the others
+    try:
+        socket.send_fds(raw, [encode({"op": "store"}, 1)], [fd])
+        _msg, [got] = chan.recv()
+        assert fcntl.fcntl(got, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+        # What an exec'd child really holds, with Python's own fd closing turned off.
+        child = subprocess.run(
+            [sys.executable, "-c", "import os; print(sorted(os.listdir('/proc/self/fd')))"],
+            close_fds=False, capture_output=True, text=True, check=True, timeout=60)
+        assert str(got) not in json.loads(child.stdout.replace("'", '"'))
+        os.close(got)
+    finally:
+        os.close(fd)

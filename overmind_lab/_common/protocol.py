@@ -13,6 +13,7 @@ descriptors it did not announce is a protocol error: its descriptors are closed.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import json
 import os
@@ -29,6 +30,26 @@ MAX_FRAME = 64 * 1024 * 1024
 #: Linux refuses more than SCM_MAX_FD (253) descriptors in one message.
 MAX_FDS = 250
 _RECV_CHUNK = 256 * 1024
+#: Note [Received descriptors close on exec]: a descriptor that arrives by SCM_RIGHTS is
+#: inheritable unless ``MSG_CMSG_CLOEXEC`` asks the kernel to set ``FD_CLOEXEC`` as it
+#: installs it. Without it a shell or subprocess a kernel starts (``!ls``, ``subprocess``)
+#: would hold every segment the kernel received, and during a store the writable
+#: ``.tmp`` too. Setting the flag afterwards (``fcntl``) leaves a window in which another
+#: thread's ``fork``/``exec`` inherits the descriptor; the flag on ``recvmsg`` has none.
+#: ``socket.recv_fds`` takes a ``flags`` argument but drops it (CPython 3.11-3.13 pass
+#: none to ``recvmsg``), hence ``_recv_fds``.
+_RECV_FLAGS = socket.MSG_CMSG_CLOEXEC
+_FD_ARRAY_BYTES = socket.CMSG_LEN(MAX_FDS * array.array("i").itemsize)
+
+
+def _recv_fds(sock: socket.socket) -> tuple[bytes, list[int], int]:
+    """Data, descriptors (close-on-exec) and message flags of one ``recvmsg``."""
+    data, ancdata, flags, _ = sock.recvmsg(_RECV_CHUNK, _FD_ARRAY_BYTES, _RECV_FLAGS)
+    fds = array.array("i")
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+    return data, list(fds), flags
 
 #: A frame's JSON object as it arrives. Its shape is the peer's word: the daemon's messages
 #: are typed in ``messages``, and each side gives a frame its type where it reads it.
@@ -126,7 +147,7 @@ class Channel:
             frame = self._reader.next_frame()
             if frame is not None:
                 return frame
-            data, fds, flags, _ = socket.recv_fds(self.sock, _RECV_CHUNK, MAX_FDS)
+            data, fds, flags = _recv_fds(self.sock)
             _check_flags(flags, fds)
             if not data:
                 self._reader.close_fds()
@@ -191,7 +212,7 @@ class AsyncChannel:
             if frame is not None:
                 return frame
             try:
-                data, fds, flags, _ = socket.recv_fds(self.sock, _RECV_CHUNK, MAX_FDS)
+                data, fds, flags = _recv_fds(self.sock)
             except (BlockingIOError, InterruptedError):
                 await self._wait(writable=False)
                 continue

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import errno
 import fcntl
 import logging
@@ -84,6 +85,7 @@ def run(path: Path, budget: int, ready_fd: int | None = None,
         os.close(lock)
         return 2
     sock = _bind(path)
+    bound = os.stat(path)  # Note [Removing our own socket]
     from overmind_lab._daemon import refresh as _refresh
 
     _refresh.attach(daemon)
@@ -93,11 +95,16 @@ def run(path: Path, budget: int, ready_fd: int | None = None,
     try:
         asyncio.run(daemon.serve(sock))
     finally:
-        try:
-            if path.exists() and os.stat(path).st_ino == os.fstat(sock.fileno()).st_ino:
+        # Note [Removing our own socket]: the file a socket is bound to is a different
+        # inode from the socket itself (``fstat`` of the socket gives a sockfs inode, which
+        # never equals the path's), so the path's (device, inode) is compared with what it
+        # was right after ``bind``. Only the file this daemon created is removed: a
+        # daemon that replaced us on the same path keeps its own. A clean stop thus leaves
+        # no socket file, and the next client does not take it for a dead daemon's.
+        with contextlib.suppress(OSError):
+            now = os.stat(path)
+            if (now.st_dev, now.st_ino) == (bound.st_dev, bound.st_ino):
                 path.unlink()
-        except OSError:
-            pass
         sock.close()
         os.close(lock)
     return 0
