@@ -16,15 +16,33 @@ What a fresh process has and a fork would not, set here in this order:
   ``SIGINT`` raises ``KeyboardInterrupt``, ``SIGPIPE`` and ``SIGXFSZ`` ignored);
 - ``sys.path[0]`` = the cwd, as for ``-m``, and fresh import caches, so that the user's
   modules in the notebook's folder are found and read from disk now;
-- new random state: ``random`` (CPython reseeds it at fork too) and numpy's global
-  ``RandomState`` from the OS entropy pool. ``str`` hashes keep the zygote's seed (the
-  hash secret is fixed at interpreter start and cannot be changed in a running process);
+- the server's umask, nice, limits, groups, cgroup and the rest of Note [Inherited
+  process attributes] (``inherit.py``), taken on first: a child that cannot exits and
+  the launch is plain;
+- the time zone of its own ``TZ`` (``time.tzset()``), and ``sys.orig_argv`` of its command;
+- new random state: ``random`` (CPython reseeds it at fork too), numpy's global
+  ``RandomState`` and torch's default CPU generator, from the OS entropy pool, as a fresh
+  process seeds them (CUDA's generators are made at CUDA's first use, in the kernel);
 - no tqdm write lock shared with the zygote and its other kernels (Note [Library state
   across the fork] in ``zygote.py``);
 - the BLAS thread counts a fresh process gets (Note [BLAS threads] in ``zygote.py``):
   measured once per zygote by a fresh interpreter and set here through threadpoolctl.
   torch's own intra-op pool was never started in the zygote; it reads the kernel's
   ``OMP_NUM_THREADS`` when it starts, as in a fresh process.
+
+Note [Interrupted at birth]: jupyter_client interrupts a kernel before it shuts it down,
+so a second restart within about half a second sends SIGINT to a kernel that is still
+starting: in the zygote's code right after the fork, or in ipykernel's ``initialize``
+before its ``init_signal`` ignores SIGINT, where Python's handler raised
+``KeyboardInterrupt`` and printed its traceback into the server log. The zygote blocks
+SIGINT across the fork; the child, when it runs ipykernel, installs a handler that drops
+the interrupt (the kernel is being shut down anyway, by message or by SIGTERM/SIGKILL),
+then unblocks it; ipykernel's ``init_signal`` replaces the handler with ``SIG_IGN``, so
+code in the kernel sees the dispositions and the (empty) mask of a fresh kernel.
+
+Note [What a warm kernel does not share with a fresh one]: these differences are
+intended (a fork cannot avoid them) and ``overmind-lab kernel status`` lists them
+(:data:`INTENDED_DIFFERENCES`).
 
 Note [Parent death]: ipykernel's parent poller watches ``getppid()``, which for a forked
 kernel is the zygote, not the Jupyter server. The zygote hands the child a pidfd of the
@@ -48,17 +66,36 @@ import select
 import signal
 import sys
 import threading
+import time
 from typing import TYPE_CHECKING, NoReturn
 
-from overmind_lab._kernel import preload
+from overmind_lab._kernel import inherit, preload
 
 if TYPE_CHECKING:
     from overmind_lab._kernel.zygote import ChildTask
 
-__all__ = ["run", "become", "exit_now", "tqdm_classes"]
+__all__ = ["run", "become", "exit_now", "tqdm_classes", "INTENDED_DIFFERENCES"]
+
+#: Note [What a warm kernel does not share with a fresh one].
+INTENDED_DIFFERENCES = (
+    "parent pid: the zygote's, not the Jupyter server's (Note [Parent death])",
+    "/proc/self/cmdline: the zygote's command line (sys.argv and sys.orig_argv are the "
+    "kernel's)",
+    "str hash seed: the zygote's, shared by its kernels (fixed when an interpreter starts)",
+    "one extra descriptor, a pidfd of the Jupyter server, and a thread "
+    "'overmind-lab-parent-watch' in place of ipykernel's parent poller",
+    "modules imported by the zygote are already in sys.modules",
+)
+
+#: Modules whose start-up ignores SIGINT once ready (Note [Interrupted at birth]).
+_IPYKERNEL_MAINS = ("ipykernel_launcher", "ipykernel")
 
 
-def _reset_signals() -> None:
+def _starting_sigint(signum: int, frame: object) -> None:
+    """SIGINT while the kernel starts: dropped (Note [Interrupted at birth])."""
+
+
+def _reset_signals(ipykernel: bool = False) -> None:
     for sig in signal.valid_signals():
         if sig in (signal.SIGKILL, signal.SIGSTOP):
             continue
@@ -66,7 +103,7 @@ def _reset_signals() -> None:
             signal.signal(sig, signal.SIG_DFL)
         except (OSError, ValueError):
             pass
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, _starting_sigint if ipykernel else signal.default_int_handler)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
@@ -81,6 +118,10 @@ def _reseed() -> None:
     random.seed()
     if "numpy.random" in sys.modules:
         sys.modules["numpy.random"].seed()
+    torch = sys.modules.get("torch")
+    generator = getattr(torch, "default_generator", None)
+    if generator is not None:
+        generator.seed()  # not torch.seed(): that also queues a seed for CUDA
 
 
 def tqdm_classes() -> list[type]:
@@ -162,16 +203,33 @@ def _learn_at_exit(task: ChildTask) -> None:
     atexit.register(learn)
 
 
+def _take_on_server_attributes(task: ChildTask) -> None:
+    """Note [Inherited process attributes]: tell the zygote on ``ready_fd`` whether this
+    child took on the server's attributes; exit at once if it could not."""
+    try:
+        inherit.apply(task.inherit)
+    except inherit.NotApplicable as exc:
+        if task.ready_fd is not None:
+            os.write(task.ready_fd, str(exc).encode()[:4000])
+        os._exit(70)
+    if task.ready_fd is not None:
+        os.write(task.ready_fd, b"ok")
+        os.close(task.ready_fd)
+
+
 def become(task: ChildTask) -> None:
     """Everything but running the module (separate so a test can check the state)."""
+    _take_on_server_attributes(task)
     os.setsid()
     for target, fd in enumerate(task.stdio):
         os.dup2(fd, target)
         if fd > 2:
             os.close(fd)
-    _reset_signals()
+    _reset_signals(ipykernel=task.argv[2] in _IPYKERNEL_MAINS
+                   and "ipykernel.kernelapp" in sys.modules)
     os.chdir(task.cwd)
     _replace_environ(task.env)
+    time.tzset()
     logging.root.handlers.clear()
     logging.root.setLevel(logging.WARNING)
     if not task.env.get("PYTHONSAFEPATH"):
@@ -193,6 +251,7 @@ def run(task: ChildTask) -> int:
     become(task)
     module, args = task.argv[2], task.argv[3:]
     sys.argv = [task.argv[0], *args]
+    sys.orig_argv = list(task.argv)
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as exc:

@@ -32,6 +32,8 @@ IMPORT_ENV_PREFIXES = (
     "BLIS_", "VECLIB_", "NUMEXPR_", "PYTHON", "LD_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_",
     "DIFFUSERS_", "TORCH", "PYTORCH_", "TOKENIZERS_", "XLA_", "TF_", "JAX_", "VIRTUAL_ENV",
     "CONDA_PREFIX", "HOME", "XDG_CACHE_HOME", "OVERMIND_LAB_",
+    # the locale at interpreter start fixes the UTF-8 mode and the file system encoding
+    "LANG", "LC_",
 )
 
 #: Set by overmind-lab itself in the zygote only; never part of the identity.

@@ -6,7 +6,9 @@ follow the kernel process: ``launch_kernel`` asks the zygote of this interpreter
 environment to fork the kernel, passing the command, env, cwd and this process's
 stdout/stderr; ``poll``/``wait``/``send_signal``/``kill``/``terminate`` go through a
 pidfd of the kernel, so that a pid the system reused is never signalled; ``cleanup``
-closes it.
+closes it. With the request go the server's own process attributes (umask, nice,
+limits, groups, cgroup...: Note [Inherited process attributes] in ``inherit.py``), which a
+plain kernel would inherit; a zygote that cannot give them to its child refuses.
 
 Note [Never worse than plain]: any failure of the warm path (no zygote yet, a stale one,
 one that refuses to fork or died, not Linux) launches a plain kernel with
@@ -30,6 +32,7 @@ from jupyter_client.provisioning.local_provisioner import LocalProvisioner
 
 from overmind_lab._common.protocol import Channel
 from overmind_lab._errors import OvermindError
+from overmind_lab._kernel import inherit
 
 __all__ = ["WarmProvisioner", "WarmUnavailable", "request_fork"]
 
@@ -89,11 +92,15 @@ class WarmKernel:
 
 def _stdio_fds(kwargs: dict[str, Any]) -> list[int]:
     fds = []
-    for name, default in (("stdin", None), ("stdout", 1), ("stderr", 2)):
+    for name, default in (("stdin", -1), ("stdout", 1), ("stderr", 2)):
         value = kwargs.get(name)
-        if value is None:
-            fds.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC) if default is None
-                       else os.dup(default))
+        if value is None and default < 0:
+            # as jupyter_client's launcher: a pipe whose write end is closed at once
+            read_end, write_end = os.pipe2(os.O_CLOEXEC)
+            os.close(write_end)
+            fds.append(read_end)
+        elif value is None:
+            fds.append(os.dup(default))
         elif isinstance(value, int) and value >= 0:
             fds.append(os.dup(value))
         elif hasattr(value, "fileno"):
@@ -106,8 +113,12 @@ def _stdio_fds(kwargs: dict[str, Any]) -> list[int]:
 
 
 def request_fork(cmd: list[str], env: dict[str, str], cwd: str,
-                 stdio: list[int], watch_parent: bool) -> WarmKernel:
-    """Ask the zygote for ``cmd`` (blocking); starts a zygote when none runs."""
+                 stdio: list[int], watch_parent: bool,
+                 attributes: dict[str, Any] | None = None) -> WarmKernel:
+    """Ask the zygote for ``cmd`` (blocking); starts a zygote when none runs.
+
+    ``attributes`` (``inherit.observe()`` in the thread that would start a plain kernel)
+    are what the kernel takes on; ``None``: the zygote's own."""
     from overmind_lab._kernel.naming import ZygotePaths
     from overmind_lab._kernel.zygote import spawn
 
@@ -126,7 +137,7 @@ def request_fork(cmd: list[str], env: dict[str, str], cwd: str,
     chan = Channel(sock, _FORK_TIMEOUT)
     try:
         chan.send({"op": "fork", "argv": cmd, "env": env, "cwd": cwd,
-                   "watch_parent": watch_parent}, stdio)
+                   "watch_parent": watch_parent, "inherit": attributes or {}}, stdio)
         reply, fds = chan.recv()
     except (OvermindError, OSError) as exc:
         sock.close()
@@ -164,11 +175,14 @@ class WarmProvisioner(LocalProvisioner):
         if watch_parent:
             env["JPY_PARENT_PID"] = str(os.getpid())  # as jupyter_client's launcher does
         t0 = time.perf_counter()
+        # Here, in the event loop's thread, which would fork a plain kernel: nice, CPU
+        # affinity and the scheduling policy are per thread.
+        attributes = inherit.observe()
         try:
             stdio = _stdio_fds(kwargs)
             try:
                 warm = await asyncio.to_thread(request_fork, cmd, env, cwd, stdio,
-                                               watch_parent)
+                                               watch_parent, attributes)
             finally:
                 for fd in stdio:
                     os.close(fd)

@@ -151,6 +151,8 @@ def cmd_kernel(args: argparse.Namespace) -> int:
                  f"{format_size(z.get('pss_bytes', 0))}  forks {z['forks']}  last fork "
                  f"{z['last_fork_ms'] or 0:.1f} ms"
                  + (f"  REFUSES: {z['refusal']}" if z.get("refusal") else "")
+                 + "".join(f"\n  differs from a fresh kernel: {d}"
+                           for d in z.get("differences", []))
                  for z in result]
         text = "\n".join(lines) or "no zygote running"
     if args.json:

@@ -45,7 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from overmind_lab._common.protocol import Channel, bind_private
-from overmind_lab._kernel import preload
+from overmind_lab._kernel import inherit, preload
+from overmind_lab._kernel.child import INTENDED_DIFFERENCES
 from overmind_lab._kernel.naming import ZYGOTE_ONLY_ENV, ZygotePaths, identity
 
 __all__ = ["ChildTask", "serve", "spawn", "fork_refusal", "main"]
@@ -53,6 +54,8 @@ __all__ = ["ChildTask", "serve", "spawn", "fork_refusal", "main"]
 log = logging.getLogger("overmind_lab.zygote")
 
 _REPLY_TIMEOUT = 10.0
+#: How long a forked child may take to report that it took on the server's attributes.
+_READY_TIMEOUT = 10.0
 #: The user's own value of a variable the zygote overrides (``spawn``) is kept under this.
 _ORIG = "OVERMIND_LAB_ORIG_"
 _TICK_MS = 500
@@ -80,6 +83,10 @@ class ChildTask:
     thread_targets: dict[str, int]
     learned_path: Path
     preloaded: frozenset[str]
+    #: The server's attributes to take on (Note [Inherited process attributes]).
+    inherit: dict[str, Any] = field(default_factory=dict)
+    #: Where the child says "ok" or why it cannot take them on; the zygote waits for it.
+    ready_fd: int | None = None
 
 
 @dataclass
@@ -99,6 +106,9 @@ class _State:
     failed: list[str]
     refusal: str | None
     thread_targets: dict[str, int]
+    import_env: dict[str, str]
+    cpus: tuple[int, ...] = ()  # the affinity thread_targets were probed with
+    targets_by_cpus: dict[tuple[int, ...], dict[str, int]] = field(default_factory=dict)
     owners: dict[int, int] = field(default_factory=dict)      # pid -> pidfd
     children: dict[int, _Child] = field(default_factory=dict)  # pidfd -> child
     conns: dict[int, socket.socket] = field(default_factory=dict)
@@ -165,10 +175,36 @@ def _peer_uid_pid(conn: socket.socket) -> tuple[int, int]:
     return uid, pid
 
 
-def _probe_threads(env: dict[str, str]) -> subprocess.Popen[str]:
-    """A fresh interpreter reports the BLAS thread counts a fresh kernel would have."""
+def _probe_threads(env: dict[str, str], cpus: tuple[int, ...] = ()
+                   ) -> subprocess.Popen[str]:
+    """A fresh interpreter reports the BLAS thread counts a fresh kernel would have (on
+    ``cpus``, when given: the pools are as large as the CPUs a process may run on)."""
+    # the zygote has one thread, so a function between fork and exec is safe here
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     return subprocess.Popen([sys.executable, "-P", "-c", _PROBE], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd="/")
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd="/",
+                            preexec_fn=pin)
+
+
+def _targets_for(state: _State, wanted: dict[str, Any]) -> dict[str, int]:
+    """Note [BLAS threads]: the counts a fresh kernel with the server's CPU affinity gets
+    (probed once per affinity; the boot's probe ran on the zygote's own)."""
+    import json
+
+    cpus = tuple(wanted.get("affinity") or ())
+    if not cpus or cpus == state.cpus:
+        return state.thread_targets
+    if cpus not in state.targets_by_cpus:
+        probe = _probe_threads(user_env(dict(os.environ)), cpus)
+        try:
+            out, _ = probe.communicate(timeout=120)
+            found = {str(k): int(v) for k, v in json.loads(out or "{}").items()}
+        except (subprocess.TimeoutExpired, ValueError):
+            probe.kill()
+            probe.wait()
+            found = {}
+        state.targets_by_cpus[cpus] = found
+    return state.targets_by_cpus[cpus]
 
 
 def user_env(env: dict[str, str]) -> dict[str, str]:
@@ -244,9 +280,17 @@ def boot(paths: ZygotePaths, owners: list[int]) -> _State | None:
         return None
     try:
         t0 = time.monotonic()
+        cpus = tuple(sorted(os.sched_getaffinity(0)))
         probe = _probe_threads(user_env(dict(os.environ)))
         listener, tmp = _bind(paths)
+        before = dict(os.environ)
         preloaded, failed = _do_preload(paths)
+        # Note [Environment set at import]: a module may set a variable when imported
+        # (threadpoolctl: ``KMP_DUPLICATE_LIB_OK``). A kernel's environment is its own,
+        # as a fresh kernel's is at start, so it lacks them, where a fresh kernel has them
+        # once it imported the same module (which a warm kernel never imports again).
+        # Listed in ``status``.
+        import_env = {k: v for k, v in os.environ.items() if k not in before}
         _stop_library_threads()
         out, _ = probe.communicate(timeout=120)
         import json
@@ -261,7 +305,7 @@ def boot(paths: ZygotePaths, owners: list[int]) -> _State | None:
         refusal = fork_refusal()
         os.rename(tmp, paths.socket)  # Note [Replacing a zygote]
         state = _State(paths, listener, os.stat(paths.socket).st_ino, snap, preloaded,
-                       failed, refusal, targets)
+                       failed, refusal, targets, import_env, cpus)
         for pid in owners:
             _add_owner(state, pid)
         log.info("zygote %d ready in %.1f s: %d modules, %d files watched%s", os.getpid(),
@@ -292,7 +336,11 @@ def _status(state: _State) -> dict[str, Any]:
         "failed": state.failed, "refusal": state.refusal, "forks": state.forks,
         "last_fork_ms": state.last_fork_ms, "kernels": len(state.children),
         "owners": sorted(state.owners), "uptime_seconds": time.time() - state.started,
-        "retiring": state.retiring,
+        "retiring": state.retiring, "import_env": sorted(state.import_env),
+        "differences": [*INTENDED_DIFFERENCES, *(
+            [f"environment variables a preloaded module set at its import, which a "
+             f"fresh kernel gets when it imports that module, are not set: "
+             f"{', '.join(sorted(state.import_env))}"] if state.import_env else [])],
     }
 
 
@@ -313,7 +361,33 @@ def _refuse(state: _State, request: dict[str, Any]) -> str | None:
     if stale:
         state.retiring = "stale"
         return f"the zygote is stale: {stale}"
+    wanted = request.get("inherit")
+    if isinstance(wanted, dict) and wanted:
+        why = inherit.refusal(wanted)
+        if why:
+            return why
     return fork_refusal()
+
+
+def _await_ready(fd: int) -> str | None:
+    """What the child wrote on its ready pipe: ``None`` for "ok", else why it exited."""
+    data = b""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    deadline = time.monotonic() + _READY_TIMEOUT
+    try:
+        while (left := deadline - time.monotonic()) > 0 and poller.poll(left * 1000):
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            data += chunk
+        else:
+            return f"the forked kernel did not start within {_READY_TIMEOUT:.0f} s"
+    finally:
+        os.close(fd)
+    if data == b"ok":
+        return None
+    return data.decode(errors="replace") or "the forked kernel exited before it started"
 
 
 def _handle_fork(state: _State, conn: socket.socket, chan: Channel,
@@ -330,23 +404,39 @@ def _handle_fork(state: _State, conn: socket.socket, chan: Channel,
             parent_pidfd = os.pidfd_open(peer)
         except OSError:
             parent_pidfd = None
+    wanted = request.get("inherit")
+    task_inherit = dict(wanted) if isinstance(wanted, dict) else {}
+    ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
     task = ChildTask(
         argv=[str(a) for a in request["argv"]],
         env={str(k): str(v) for k, v in dict(request["env"]).items()},
         cwd=str(request.get("cwd") or os.getcwd()), stdio=fds, parent_pidfd=parent_pidfd,
-        thread_targets=state.thread_targets, learned_path=state.paths.learned,
-        preloaded=frozenset(state.preloaded))
+        thread_targets=_targets_for(state, task_inherit), learned_path=state.paths.learned,
+        preloaded=frozenset(state.preloaded),
+        inherit=task_inherit, ready_fd=ready_w)
+    # Note [Interrupted at birth] in child.py: the child unblocks SIGINT when its handler
+    # for the start-up is in place.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
     t0 = time.perf_counter()
     pid = os.fork()
     if pid == 0:
+        os.close(ready_r)
         _close_for_child(state, keep=[*fds, *([parent_pidfd] if parent_pidfd else [])])
         return task
     state.last_fork_ms = (time.perf_counter() - t0) * 1000
-    state.forks += 1
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    os.close(ready_w)
     for fd in fds:
         os.close(fd)
     if parent_pidfd is not None:
         os.close(parent_pidfd)
+    not_ready = _await_ready(ready_r)
+    if not_ready:
+        _reap_unready(pid)
+        log.info("forked child %d for %d could not start: %s", pid, peer, not_ready)
+        chan.send({"ok": False, "reason": not_ready})
+        return None
+    state.forks += 1
     pidfd = os.pidfd_open(pid)
     _add_owner(state, peer)
     child = _Child(pid, pidfd, conn)
@@ -359,6 +449,22 @@ def _handle_fork(state: _State, conn: socket.socket, chan: Channel,
     log.info("forked kernel %d for %d in %.1f ms", pid, peer, state.last_fork_ms)
     _maybe_renew(state)
     return None
+
+
+def _reap_unready(pid: int) -> None:
+    """A child that reported it cannot start exits at once; one that hangs is killed."""
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if not done:
+            pidfd = os.pidfd_open(pid)
+            try:
+                if not select.select([pidfd], [], [], _READY_TIMEOUT)[0]:
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            finally:
+                os.close(pidfd)
+            os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
 
 
 def _missing(state: _State) -> list[str]:

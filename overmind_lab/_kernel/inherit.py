@@ -1,0 +1,191 @@
+"""What a kernel inherits from the process that starts it, besides env and cwd.
+
+A plain kernel is a child of the Jupyter server and inherits the server's process
+attributes; a forked one is a child of the zygote, which got them from whichever server
+started it. So the provisioner (in the server) :func:`observe` s its own, sends them with
+the fork request, the zygote checks before forking what no child could change
+(:func:`refusal`), and the forked child :func:`apply` s the rest before anything else.
+
+Note [Inherited process attributes]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+What ``fork`` + ``exec`` passes from the server to a plain kernel, and how a warm kernel
+gets the same:
+
+- applied in the child: umask, nice, scheduling policy and priority, CPU affinity,
+  ``oom_score_adj``, the resource limits but the stack's, the real/effective/saved group
+  ids and the supplementary groups (``setresgid``, ``setgroups``: root only), and the
+  cgroup of every hierarchy (written into its ``cgroup.procs``). Where the child is not
+  allowed to (a lower nice, a higher hard limit, another user's cgroup, groups without
+  ``CAP_SETGID``), it exits before it runs any kernel code and tells the zygote why on a
+  pipe; the zygote reaps it and refuses, and the provisioner launches a plain kernel
+  with that reason in the server log (Note [Never worse than plain] in
+  ``provisioner.py``).
+- refused before the fork, since no process can change them in itself: the namespaces,
+  the uid line, the capability sets, ``NoNewPrivs``, ``Seccomp``, the set of cgroup
+  hierarchies, and ``RLIMIT_STACK`` (the kernel maps the main thread's stack at
+  ``exec``, and glibc sizes every later thread's stack from the limit it read at start).
+- nice, affinity and the scheduling policy are per thread on Linux: the provisioner
+  observes them in the thread that would ``fork`` a plain kernel (the event loop's).
+- the time zone and locale ride in the environment: the child calls ``time.tzset()``;
+  the locale variables are part of the zygote's identity (``naming.py``), since the
+  locale at interpreter start fixes the UTF-8 mode and the file system encoding.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RLIMITS", "NotApplicable", "observe", "refusal", "apply"]
+
+#: Every resource limit by name (``RLIMIT_OFILE`` is an alias of ``RLIMIT_NOFILE``).
+RLIMITS = sorted(n for n in dir(resource) if n.startswith("RLIMIT_") and n != "RLIMIT_OFILE")
+#: ``/proc/self/status`` lines a process cannot change in itself (or only one way).
+FIXED_STATUS = ("Uid", "CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs",
+                "Seccomp")
+NAMESPACES = ("cgroup", "ipc", "mnt", "net", "pid", "user", "uts", "time")
+
+
+class NotApplicable(Exception):  # noqa: N818 - a reason, raised in the child only
+    """The child cannot take on an attribute of the server's; the message says which."""
+
+
+def _status() -> dict[str, str]:
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        out[key] = " ".join(value.split())
+    return out
+
+
+def _namespaces() -> dict[str, int]:
+    out = {}
+    for name in NAMESPACES:
+        try:
+            out[name] = os.stat(f"/proc/self/ns/{name}").st_ino
+        except OSError:
+            continue
+    return out
+
+
+def observe() -> dict[str, Any]:
+    """This process's inheritable attributes, as seen from the calling thread."""
+    status = _status()
+    sched = os.sched_getscheduler(0)
+    return {
+        "umask": int(status["Umask"], 8),
+        "nice": os.getpriority(os.PRIO_PROCESS, 0),
+        "sched": [sched, os.sched_getparam(0).sched_priority],
+        "affinity": sorted(os.sched_getaffinity(0)),
+        "oom_score_adj": int(Path("/proc/self/oom_score_adj").read_text()),
+        "rlimits": {n: list(resource.getrlimit(getattr(resource, n))) for n in RLIMITS},
+        "gid": [int(g) for g in status["Gid"].split()[:3]],
+        "groups": sorted(os.getgroups()),
+        "cgroup": Path("/proc/self/cgroup").read_text(),
+        "fixed": {k: status.get(k, "") for k in FIXED_STATUS},
+        "namespaces": _namespaces(),
+    }
+
+
+def _cgroups(text: str) -> dict[str, str]:
+    """``hierarchy-id:controllers`` -> path, from a ``/proc/<pid>/cgroup`` text."""
+    out = {}
+    for line in text.splitlines():
+        hid, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        out[f"{hid}:{controllers}"] = path
+    return out
+
+
+def refusal(wanted: dict[str, Any]) -> str | None:
+    """Why no child of this process can get ``wanted`` (from :func:`observe`), or None."""
+    mine = observe()
+    for name, ino in wanted.get("namespaces", {}).items():
+        if mine["namespaces"].get(name, ino) != ino:
+            return f"the Jupyter server runs in another {name} namespace than the zygote"
+    for key, value in wanted.get("fixed", {}).items():
+        if mine["fixed"].get(key) != value:
+            return (f"the Jupyter server's {key} ({value}) differs from the zygote's "
+                    f"({mine['fixed'].get(key)})")
+    stack = wanted.get("rlimits", {}).get("RLIMIT_STACK")
+    if stack is not None and list(stack) != mine["rlimits"]["RLIMIT_STACK"]:
+        return (f"the Jupyter server's RLIMIT_STACK {stack} differs from the zygote's "
+                f"{mine['rlimits']['RLIMIT_STACK']} (fixed when a process starts)")
+    if "cgroup" in wanted and set(_cgroups(wanted["cgroup"])) != set(_cgroups(mine["cgroup"])):
+        return "the Jupyter server's cgroup hierarchies differ from the zygote's"
+    return None
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo field: spaces, tabs, newlines and backslashes are octal escapes."""
+    return field.encode().decode("unicode_escape") if "\\" in field else field
+
+
+def _cgroup_dir(key: str, path: str) -> Path:
+    """The directory of cgroup ``path`` of hierarchy ``key`` in this mount namespace."""
+    controllers = set(key.partition(":")[2].split(",")) - {""}
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        sep = fields.index("-")
+        fstype, options = fields[sep + 1], set(fields[sep + 3].split(","))
+        root, point = _unescape(fields[3]), _unescape(fields[4])
+        if (fstype == "cgroup2" and not controllers) or (
+                fstype == "cgroup" and controllers and controllers <= options):
+            if root == "/" or path == root or path.startswith(root.rstrip("/") + "/"):
+                rel = path[len(root.rstrip("/")):] if root != "/" else path
+                return Path(point + rel)
+    raise NotApplicable(f"no mount of the cgroup hierarchy {key} shows {path}")
+
+
+def _move_cgroups(wanted: str) -> None:
+    mine = _cgroups(Path("/proc/self/cgroup").read_text())
+    for key, path in _cgroups(wanted).items():
+        if mine.get(key) == path:
+            continue
+        target = _cgroup_dir(key, path) / "cgroup.procs"
+        try:
+            target.write_text(f"{os.getpid()}\n")
+        except OSError as exc:
+            raise NotApplicable(f"cannot move the kernel into the Jupyter server's cgroup "
+                                f"{key}:{path} ({exc.strerror or exc})") from exc
+
+
+def _set(what: str, fn: Any, *args: Any) -> None:
+    try:
+        fn(*args)
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise NotApplicable(f"cannot set the Jupyter server's {what} in the forked "
+                            f"kernel ({reason})") from exc
+
+
+def apply(wanted: dict[str, Any]) -> None:
+    """Take on ``wanted`` (from :func:`observe` in the server); raise NotApplicable."""
+    if not wanted:
+        return
+    mine = observe()
+    if wanted["cgroup"] != mine["cgroup"]:
+        _move_cgroups(wanted["cgroup"])
+    if wanted["groups"] != mine["groups"]:
+        _set(f"supplementary groups {wanted['groups']}", os.setgroups, wanted["groups"])
+    if wanted["gid"] != mine["gid"]:
+        _set(f"group ids {wanted['gid']}", os.setresgid, *wanted["gid"])
+    for name, limits in wanted["rlimits"].items():
+        if name != "RLIMIT_STACK" and list(limits) != mine["rlimits"].get(name):
+            _set(f"{name} {limits}", resource.setrlimit, getattr(resource, name),
+                 tuple(limits))
+    if wanted["sched"] != mine["sched"]:
+        policy, priority = wanted["sched"]
+        _set(f"scheduling policy {policy} priority {priority}", os.sched_setscheduler, 0,
+             policy, os.sched_param(priority))
+    if wanted["nice"] != mine["nice"]:
+        _set(f"nice {wanted['nice']}", os.setpriority, os.PRIO_PROCESS, 0, wanted["nice"])
+    if wanted["affinity"] != mine["affinity"]:
+        _set(f"CPU affinity {wanted['affinity']}", os.sched_setaffinity, 0,
+             wanted["affinity"])
+    if wanted["oom_score_adj"] != mine["oom_score_adj"]:
+        _set(f"oom_score_adj {wanted['oom_score_adj']}",
+             Path("/proc/self/oom_score_adj").write_text, f"{wanted['oom_score_adj']}\n")
+    os.umask(wanted["umask"])
