@@ -331,25 +331,32 @@ def test_status_reports_the_tier_disk_and_resident_bytes(daemon: Client) -> None
 
 
 # -- source files referenced, not copied ------------------------------------------------
-def test_unchanged_safetensors_regions_are_referenced_through_a_hard_link(
+def test_unchanged_safetensors_regions_are_referenced_by_holding_the_source_file(
         daemon: Client, tmp_path: Path) -> None:
+    """Note [Source files are held, not linked] (daemon store): the weights are not
+    copied, the daemon holds the file open; it makes no hard link, which would move the
+    file's ctime and change the next load's key (Note [File signatures])."""
     model = save_tiny_unet(tmp_path / "unet")
     weights = next(model.glob("*.safetensors"))
+    before = weights.stat()
     first = last_json(run_py(LOAD_UNET.format(path=str(model))))
-    assert first["outcome"] == "cold" and first["all_mapped"]
-    wait_saved(daemon)
-    [link] = cache_dir().glob("*.src")
-    assert link.stat().st_ino == weights.stat().st_ino and link.stat().st_nlink == 2
+    assert first["outcome"] == "cold"
+    status = wait_saved(daemon)
+    after = weights.stat()
+    assert (after.st_nlink, after.st_ctime_ns) == (before.st_nlink, before.st_ctime_ns)
+    assert list(cache_dir().glob("*.src")) == []
+    second = last_json(run_py(LOAD_UNET.format(path=str(model))))
+    assert second["outcome"] == "warm" and second["all_mapped"]
+    assert first["digest"] == second["digest"] == plain_digest(model)
     [entry] = daemon.entries()
-    assert entry["shared_bytes"] >= weights.stat().st_size  # the link, not a copy
-    assert entry["bytes"] < weights.stat().st_size
-    assert first["digest"] == plain_digest(model)
-    original = sha(weights)
-    weights.unlink()  # the link keeps the data
-    assert link.stat().st_nlink == 1 and sha(link) == original
+    # Note [What an entry costs]: the held file is the entry's own, and counted.
+    assert entry["shared_bytes"] == 0
+    assert entry["bytes"] >= weights.stat().st_size
+    assert status["cached_bytes"] == entry["bytes"]
+    assert sum(f.stat().st_size for f in segment_files()) < weights.stat().st_size
+    weights.unlink()  # the daemon's descriptor keeps the data while it runs...
     assert kill_and_restart(daemon)["entries"] == 0  # ...but the source is gone: dropped
     assert "dropped a saved entry" in log_text(daemon.path)
-    assert list(cache_dir().glob("*.src")) == []
 
 
 HOLD_NAMED = """
@@ -385,8 +392,7 @@ def test_a_source_rewritten_in_place_makes_the_entry_stale(
                                                       "sum": 256.0 * 1024}
     try:
         wait_saved(daemon)
-        [link] = cache_dir().glob("*.src")
-        before = link.stat().st_size
+        before = weights.stat().st_size
         with open(weights, "r+b") as f:  # same inode: the hazard of Note [Referenced source files]
             f.seek(before - 4 * 1024)
             f.write(torch.full((1024,), 2.0).numpy().tobytes())

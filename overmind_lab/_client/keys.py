@@ -214,10 +214,35 @@ def _source_signature(text: str) -> dict[str, Any]:
     return {"hub": text}
 
 
+def _file_identity(st: os.stat_result) -> list[int]:
+    """Note [File signatures]: what a signature records of every file a load reads.
+
+    (device, inode, size, mtime_ns, ctime_ns), and what each catches:
+
+    - inode (with the device): a file replaced by rename (``save_pretrained``, ``cp``
+      to a temporary name and ``mv``, ``rsync``), even one of the same size whose old mtime
+      was restored (``cp -p``, ``rsync -a``, ``touch -r``);
+    - size: a truncation or an append;
+    - mtime_ns: an ordinary write in place;
+    - ctime_ns: a write in place whose mtime was set back (``os.utime``, ``touch -d``),
+      a ``chmod``, a new hard link (a second name through which the file can be rewritten):
+      user space cannot set a ctime, the kernel moves it on every change of the inode.
+
+    What remains: two writes within one tick of the file system's timestamp clock (a few
+    ms on kernels before 6.13's fine-grained timestamps) look like one, so a file written
+    *while* its signature is taken can go unseen; the daemon therefore checks the source
+    again when the entry is stored (``source_changed`` in ``_daemon/persist.py``), after
+    the load read it. An in-place write that keeps size, mtime and ctime needs root
+    (setting the clock, or writing the block device). A signature that cannot be taken
+    (a file that cannot be stat'ed) raises ``NotCacheable`` or changes the key: a miss,
+    never a stale hit.
+    """
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
 def _tree_signature(root: Path) -> Any:
     if root.is_file():
-        st = root.stat()
-        return [st.st_size, st.st_mtime_ns]
+        return _file_identity(root.stat())
     out: list[Any] = []
     stack = [root]
     while stack:
@@ -236,7 +261,7 @@ def _tree_signature(root: Path) -> Any:
                     st = entry.stat()
                 except FileNotFoundError:
                     continue  # dangling symlink: the loader ignores it too
-                out.append([os.path.relpath(entry.path, root), st.st_size, st.st_mtime_ns])
+                out.append([os.path.relpath(entry.path, root), *_file_identity(st)])
                 if len(out) > MAX_SOURCE_FILES:
                     raise NotCacheable(f"{root} holds more than {MAX_SOURCE_FILES} files; "
                                        "pass the model directory itself")

@@ -7,9 +7,10 @@ all finished files are saved: memfd segments die with the daemon.
 A new daemon reopens the index (:func:`restore`). An entry comes back only if
 
 - every segment file it uses passes its trailer check (size, magic, checksums);
-- the files of its source directory still have the sizes and mtimes recorded when it was
-  stored (the same check the client's cache key makes; a re-saved model is a new key, and
-  the old entry would only take room);
+- the files of its source directory still have the (device, inode, size, mtime, ctime)
+  recorded when it was stored (the same check the client's cache key makes, Note [File
+  signatures] in ``_client/keys.py``; a re-saved model is a new key, and the old entry
+  would only take room);
 - the libraries it was loaded with still have the recorded versions, where the daemon can
   tell (same interpreter).
 
@@ -128,24 +129,49 @@ def _check(entry: Entry, opened: dict[str, Segment], bad: dict[str, str]) -> str
 
 
 def source_changed(source: Any) -> str | None:
-    """Why a recorded source signature no longer matches the disk, or ``None``."""
+    """Why a recorded source signature no longer matches the disk, or ``None``.
+
+    The client's signature (Note [File signatures] in ``_client/keys.py``): for a single
+    file ``[dev, ino, size, mtime_ns, ctime_ns]``, for a directory one
+    ``[relative path, dev, ino, size, mtime_ns, ctime_ns]`` per file. A signature in any
+    other shape (an older client's, without inode and ctime) cannot be checked: it counts
+    as changed, a miss rather than a possibly stale hit.
+    """
     if not isinstance(source, dict) or "local" not in source:
         return None
     root = Path(str(source["local"]))
     files = source.get("files")
     try:
         if isinstance(files, list) and files and isinstance(files[0], int):
-            st = root.stat()  # a single file: [size, mtime_ns]
-            return None if [st.st_size, st.st_mtime_ns] == files else f"{root} changed"
-        for rel, size, mtime_ns in files or []:
-            st = (root / rel).stat()
-            if (st.st_size, st.st_mtime_ns) != (size, mtime_ns):
-                return f"the source file {root / rel} changed (size or mtime)"
+            if len(files) != 5:
+                return f"the signature of {root} was recorded without inode and ctime"
+            return None if _identity(root.stat()) == files else f"{root} changed"
+        if not isinstance(files, list):
+            return f"the signature of {root} is malformed"
+        for record in files:
+            if not isinstance(record, list) or len(record) != 6:
+                return f"the signature of {root} was recorded without inode and ctime"
+            rel, *then = record
+            now = _identity((root / str(rel)).stat())
+            if now != then:
+                return (f"the source file {root / str(rel)} changed ("
+                        f"{_what_changed(then, now)})")
     except FileNotFoundError as exc:
         return f"the source file {exc.filename} is gone"
     except (OSError, TypeError, ValueError) as exc:
         return f"the source {root} cannot be checked: {exc}"
     return None
+
+
+_IDENTITY = ("device", "inode", "size", "mtime", "ctime")
+
+
+def _identity(st: os.stat_result) -> list[int]:
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _what_changed(then: list[Any], now: list[int]) -> str:
+    return ", ".join(name for name, a, b in zip(_IDENTITY, then, now, strict=True) if a != b)
 
 
 def versions_changed(validate: dict[str, Any]) -> str | None:

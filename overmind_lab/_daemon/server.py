@@ -70,7 +70,7 @@ from overmind_lab._common.sizes import available_memory, parse_size, total_memor
 from overmind_lab._daemon.holders import HolderScanner
 from overmind_lab._daemon.index import Entry, Index, Segment, TooLarge
 from overmind_lab._daemon.leases import Leases
-from overmind_lab._daemon.persist import restore, snapshot
+from overmind_lab._daemon.persist import restore, snapshot, source_changed
 from overmind_lab._daemon.store import (
     Corrupt,
     Store,
@@ -95,6 +95,8 @@ IDLE_TIMEOUT = 600.0
 SEND_TIMEOUT = 30.0
 #: Coalesce index writes that follow each other closely (hits, stores, evictions).
 SAVE_DELAY = 0.2
+#: After a restart, wait this long before reading saved segments' checksums.
+SCRUB_DELAY = 2.0
 
 
 def default_budget() -> int:
@@ -282,6 +284,7 @@ class Daemon:
         key = str(msg["key"])
         refresh = bool(msg.get("refresh"))
         announced = False
+        self._check_place()
         while True:
             entry = self.index.get(key)
             if entry is not None and not refresh and not await self._verified(entry):
@@ -316,10 +319,25 @@ class Daemon:
         for link in self.pending_links.pop(key, []):
             self.store.discard(link)
 
+    def _check_place(self) -> None:
+        """Refuse, and stop, once the cache directory's path names another directory
+        (Note [The cache directory is used through its descriptor] in ``store``)."""
+        why = self.store.displaced()
+        if why is None:
+            return
+        if not self.stopping.is_set():
+            log.error("%s: this daemon stops rather than follow it; the next one checks the "
+                      "new path (and refuses it unless it is a private directory of yours)",
+                      why)
+            self.stopping.set()
+        raise _RequestError(ErrorKind.STORE_FAILED,
+                            f"{why}; the overmind-lab daemon stopped, loads run plainly")
+
     def _reserve(self, conn: Connection, msg: ReserveRequest) -> Answer:
         key = str(msg["key"])
         if not self.leases.holds(conn, key):
             raise _RequestError(ErrorKind.NO_LEASE, "reserve needs the lease from lookup")
+        self._check_place()
         refs = set(msg.get("refs", []))
         protect = {k for k, e in self.index.entries.items() if refs & set(e.segments)}
         missing = refs - set(self.index.segments) - {
@@ -328,8 +346,10 @@ class Daemon:
             raise _RequestError(ErrorKind.STALE_REFERENCE,
                                 f"referenced segments were evicted: {sorted(missing)}")
         nbytes = int(msg["nbytes"])
+        # Note [What an entry costs]: the source files it holds count like its segment.
+        linked = sum(footprint(s) for s in self.pending_links.get(key, []))
         try:
-            evicted = self.index.reserve(key, file_bytes(nbytes), protect)
+            evicted = self.index.reserve(key, file_bytes(nbytes) + linked, protect)
         except TooLarge as exc:
             raise _RequestError(ErrorKind.TOO_LARGE, f"not cached: {exc}") from None
         if evicted:
@@ -353,6 +373,7 @@ class Daemon:
         key = str(msg["key"])
         if not self.leases.holds(conn, key):
             raise _RequestError(ErrorKind.NO_LEASE, "link needs the lease from lookup")
+        self._check_place()
         links: list[SegmentSpec | None] = []
         for record in msg.get("files", []):
             seg, why = self.store.link(new_segment_id(), dict(record))
@@ -380,24 +401,34 @@ class Daemon:
             raise _RequestError(ErrorKind.BAD_REQUEST, str(exc)) from None
         del self.pending[key]
         linked = {s.id: s for s in self.pending_links.pop(key, [])}
-        shared = [str(s) for s in msg.get("refs", [])]
-        new = [seg, *(linked[s] for s in shared if s in linked)]
-        for unused in set(linked) - set(shared):
+        refs = [str(s) for s in msg.get("refs", [])]
+        # Note [What an entry costs]: the source files this store holds are its own.
+        own = [seg.id, *(s for s in refs if s in linked)]
+        shared = [s for s in refs if s not in linked]
+        new = [seg, *(linked[s] for s in own[1:])]
+        for unused in set(linked) - set(refs):
             self.store.discard(linked[unused])
-        missing = [s for s in shared if s not in self.index.segments and s not in linked]
-        if missing:
+        missing = [s for s in shared if s not in self.index.segments]
+        validate = msg.get("validate")
+        changed = source_changed((validate or {}).get("source"))
+        if missing or changed:
             for dead in new:
                 self.store.discard(dead)
+            if changed:  # Note [File signatures] (client keys): read while it changed
+                self.index.unreserve(key)
+                raise _RequestError(ErrorKind.STORE_FAILED,
+                                    f"not cached: the source changed during the load: "
+                                    f"{changed}")
             raise _RequestError(ErrorKind.STALE_REFERENCE,
                                 f"referenced segments were evicted meanwhile: {missing}")
         entry = Entry(
             key=key, name=str(msg.get("name", key)), cls=str(msg.get("class", "")),
             callable=str(msg.get("callable", "")), source=msg.get("source"),
-            own=[seg.id], shared=shared, meta=dict(msg.get("meta", {})),
+            own=own, shared=shared, meta=dict(msg.get("meta", {})),
             tensors=int(msg.get("tensors", 0)),
             cold_seconds=float(msg.get("cold_seconds", 0.0)),
             store_seconds=float(msg.get("store_seconds", 0.0)), call=msg.get("call"),
-            validate=msg.get("validate"),
+            validate=validate,
         )
         replaced = self.index.get(key)
         if replaced is not None:  # a refresh in progress goes on showing on the new entry
@@ -419,6 +450,8 @@ class Daemon:
         except OSError as exc:  # the entry stays, served from its .tmp file until evicted
             log.warning("could not finish segment %s on disk (%s): it will not survive a "
                         "restart", seg.id, exc)
+        except Corrupt as exc:
+            self._reject(seg, str(exc))
         finally:
             del self.finishing[seg.id]
         if seg.id not in self.index.segments:  # evicted while it was being finished
@@ -436,29 +469,33 @@ class Daemon:
             self.store.discard(seg)
 
     async def _verified(self, entry: Entry) -> bool:
-        """Check the data of segments written by an earlier daemon; evict a corrupt entry."""
+        """Note [Checks before a hit] (``store``): every segment of ``entry`` passes its
+        cheap checks (size, identity, the source file's path), and its checksum where its
+        file changed since its bytes were last known good; otherwise
+        the entry is evicted (logged once: it is gone) and the caller answers a miss."""
         for sid in entry.segments:
             seg = self.index.segments.get(sid)
-            stale = seg.changed() if seg is not None else None
-            if stale is not None:  # Note [Referenced source files] (client sources module)
-                log.warning("entry %s (%s) is stale, it loads cold: %s", entry.key[:12],
-                            entry.name, stale)
-                if entry.key in self.index.entries:
-                    self.index.evict(entry.key)
-                    self.save_soon()
-                return False
-            if seg is None or seg.verified:
+            if seg is None:
                 continue
-            try:
-                await self._verify(seg)
-            except (Corrupt, OSError, ValueError) as exc:
-                log.warning("rejected a saved entry %s (%s), it loads cold: %s",
-                            entry.key[:12], entry.name, exc)
-                if entry.key in self.index.entries:
-                    self.index.evict(entry.key)
-                    self.save_soon()
+            why = seg.check()
+            if why is None and not seg.verified:
+                try:
+                    await self._verify(seg)
+                except (Corrupt, OSError, ValueError) as exc:
+                    why = str(exc)
+            if why is not None:
+                self._reject(seg, why)
                 return False
         return True
+
+    def _reject(self, seg: Segment, why: str) -> None:
+        """``seg`` failed a check: every entry that uses it goes, with one log line."""
+        for key in [k for k, e in self.index.entries.items() if seg.id in e.segments]:
+            entry = self.index.evict(key)
+            log.warning("dropped entry %s (%s), it loads cold: %s", key[:12], entry.name,
+                        why)
+        self.holders.invalidate()
+        self.save_soon()
 
     def _verify(self, seg: Segment) -> asyncio.Future[None]:
         fut = self.verifying.get(seg.id)
@@ -469,16 +506,28 @@ class Daemon:
         return fut
 
     async def _verify_all(self) -> None:
-        """After a restart, check saved segments most recently used first (this also
-        reads them into the page cache after a reboot; linked source files, which are not
-        checksummed, are read ahead by the kernel)."""
+        """After a restart, read the checksum of every saved segment once, most recently
+        used first, in the background (Note [Checks before a hit]: hits do not wait for
+        it), after a short pause that leaves the first loads the disk and CPU. This also
+        reads them into the page cache after a reboot; held source files, which have no
+        checksum, are read ahead by the kernel."""
         for seg in self.index.segments.values():
             if seg.tier == "link":
                 with contextlib.suppress(OSError):
                     os.posix_fadvise(seg.fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        if not any(not s.scrubbed for s in self.index.segments.values()):
+            return
+        await asyncio.sleep(SCRUB_DELAY)
         for entry in reversed(list(self.index.entries.values())):
-            if entry.key in self.index.entries:
-                await self._verified(entry)
+            for sid in entry.segments:
+                saved = self.index.segments.get(sid)
+                if saved is None or saved.scrubbed or saved.tier != "file":
+                    continue
+                try:
+                    await self._verify(saved)
+                except (Corrupt, OSError, ValueError) as exc:
+                    if saved.id in self.index.segments:
+                        self._reject(saved, str(exc))
 
     def save_soon(self) -> None:
         """Save the index shortly (coalescing changes), in a thread."""

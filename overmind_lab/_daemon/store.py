@@ -51,7 +51,8 @@ from typing import Any
 from overmind_lab._common.naming import CACHE_DIR_ENV, MEMFD_PREFIX, SEGMENT_SEALS
 
 __all__ = ["CacheDirRefused", "Corrupt", "Segment", "Store", "new_segment_id", "check_cache_dir",
-           "filesystem_type", "footprint", "file_bytes", "resident_bytes"]
+           "open_cache_dir", "unsafe_parent", "filesystem_type", "footprint", "file_bytes",
+           "resident_bytes", "identity", "IDENTITY"]
 
 log = logging.getLogger("overmind_lab.daemon")
 
@@ -75,6 +76,8 @@ FALLBACK_FILESYSTEMS = frozenset({
 FREE_MARGIN = 256 << 20
 FREE_MARGIN_FRACTION = 0.02
 _CHUNK = 16 << 20
+#: An index larger than this is not one (a planted device or a runaway file).
+MAX_INDEX = 256 << 20
 
 
 class CacheDirRefused(Exception):
@@ -91,25 +94,100 @@ def new_segment_id() -> str:
 
 def check_cache_dir(path: Path) -> None:
     """Create ``path`` 0700 if missing; refuse one that is not ours and private."""
+    os.close(open_cache_dir(path))
+
+
+def open_cache_dir(path: Path) -> int:
+    """A descriptor of the cache directory, created 0700 if missing, once it passed
+    Note [The cache directory is used through its descriptor]'s checks; raises
+    :class:`CacheDirRefused` with what to do."""
+    path = Path(os.path.abspath(path))
+    why = unsafe_parent(path)
+    if why is not None:
+        raise CacheDirRefused(why)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.mkdir(mode=0o700, exist_ok=True)
-        st = path.lstat()
+        with contextlib.suppress(FileExistsError):
+            path.mkdir(mode=0o700)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise CacheDirRefused(f"the cache directory {path} is not a directory (a "
+                                  f"symbolic link or a file); remove it or set "
+                                  f"{CACHE_DIR_ENV}") from exc
         raise CacheDirRefused(f"cannot create the cache directory {path}: {exc}; set "
                               f"{CACHE_DIR_ENV} to a directory you own") from exc
-    if not stat.S_ISDIR(st.st_mode):
-        raise CacheDirRefused(f"the cache directory {path} is not a directory; remove it "
-                              f"or set {CACHE_DIR_ENV}")
-    if st.st_uid != os.getuid():
-        raise CacheDirRefused(f"the cache directory {path} is owned by uid {st.st_uid}, "
-                              f"not by uid {os.getuid()}; remove it or set {CACHE_DIR_ENV} "
-                              "to a directory you own")
+    st = os.fstat(fd)
+    why = None
     mode = stat.S_IMODE(st.st_mode)
-    if mode & 0o077:
-        raise CacheDirRefused(f"the cache directory {path} has mode {mode:04o}; other users "
-                              f"could read or replace cached models: run `chmod 700 {path}`"
-                              f" or set {CACHE_DIR_ENV}")
+    if st.st_uid != os.getuid():
+        why = (f"the cache directory {path} is owned by uid {st.st_uid}, not by uid "
+               f"{os.getuid()}; remove it or set {CACHE_DIR_ENV} to a directory you own")
+    elif mode & 0o077:
+        why = (f"the cache directory {path} has mode {mode:04o}; other users could read or "
+               f"replace cached models: run `chmod 700 {path}` or set {CACHE_DIR_ENV}")
+    if why is not None:
+        os.close(fd)
+        raise CacheDirRefused(why)
+    return fd
+
+
+def unsafe_parent(path: Path) -> str | None:
+    """Why another user could replace ``path`` (or a folder above it), or ``None``.
+
+    A folder that another user can write, without the sticky bit (``/tmp`` has it), lets
+    that user rename the cache directory away and put a symbolic link to their own in its
+    place; a folder another (non-root) user owns lets them chmod it first. Both the
+    folders named in ``path`` and those its symbolic links lead to are checked.
+    """
+    seen: set[str] = set()
+    for start in (path.parent, Path(os.path.realpath(path.parent))):
+        for folder in (start, *start.parents):
+            if str(folder) in seen:
+                continue
+            seen.add(str(folder))
+            try:
+                st = os.stat(folder)
+            except FileNotFoundError:
+                continue  # created below, by us, with our umask
+            except OSError as exc:
+                return f"cannot check {folder}, above the cache directory {path}: {exc}"
+            why = _others_can_replace(folder, st)
+            if why is not None:
+                return (f"the cache directory {path} lies in {folder}, which {why}: that "
+                        f"user could swap it for a directory of theirs and read or replace "
+                        f"cached models; set {CACHE_DIR_ENV} to a directory only you can "
+                        "change")
+    return None
+
+
+def _others_can_replace(folder: Path, st: os.stat_result) -> str | None:
+    if st.st_uid not in (0, os.getuid()):
+        return f"uid {st.st_uid} owns"
+    if st.st_mode & stat.S_ISVTX:
+        return None  # sticky: only a file's owner may rename or delete it
+    if st.st_mode & 0o002:
+        return f"every user can write (mode {stat.S_IMODE(st.st_mode):04o}, no sticky bit)"
+    if st.st_mode & 0o020 and _others_in_group(st.st_gid):
+        return (f"the users of group {st.st_gid} can write (mode "
+                f"{stat.S_IMODE(st.st_mode):04o}, no sticky bit)")
+    return None
+
+
+def _others_in_group(gid: int) -> bool:
+    """Whether a user other than us is in group ``gid`` (a private group has none)."""
+    import grp
+    import pwd
+
+    me = os.getuid()
+    try:
+        names = set(grp.getgrgid(gid).gr_mem)
+        mine = pwd.getpwuid(me).pw_name
+    except KeyError:
+        return gid != os.getgid()
+    if names - {mine}:
+        return True
+    return any(p.pw_gid == gid and p.pw_uid != me for p in pwd.getpwall())
 
 
 def filesystem_type(path: Path) -> str:
@@ -133,6 +211,14 @@ def filesystem_type(path: Path) -> str:
     return fstype
 
 
+#: What a file's identity is made of (Note [File signatures] in ``_client/keys.py``).
+IDENTITY = ("dev", "ino", "size", "mtime_ns", "ctime_ns")
+
+
+def identity(st: os.stat_result) -> list[int]:
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
 @dataclass
 class Segment:
     """One segment the daemon holds: its read-only descriptor and where it lives."""
@@ -140,67 +226,125 @@ class Segment:
     id: str
     fd: int
     size: int
-    tier: str  # "file", "memfd" or "link" (a hard link to a source file)
+    tier: str  # "file", "memfd" or "link" (a source file the daemon holds open)
     crc: int | None = None  # data checksum, once known (file tier)
     persisted: bool = False  # finished: trailer written, fsynced, renamed
-    verified: bool = True  # data checksum checked (files of an earlier daemon: not yet)
+    verified: bool = True  # data checksum checked, or the file untouched since it was
+    scrubbed: bool = True  # checksum read once by this daemon (after a restart: not yet)
     refs: int = 0
     writer_fd: int = -1  # file tier, until finished
-    #: link tier: the source file as recorded (path, dev, ino, size, mtime_ns)
+    #: file tier: the file's identity (``IDENTITY``) when its bytes were last known good:
+    #: at ``store`` (the writer is done), after ``finish``, after a checksum passed
+    stamp: list[int] | None = None
+    #: link tier: the source file as recorded (path and ``IDENTITY``)
     source: dict[str, Any] | None = None
 
     def record(self) -> dict[str, Any]:
         if self.tier == "link":
             return {"id": self.id, "size": self.size, "tier": "link", "source": self.source}
-        return {"id": self.id, "size": self.size, "crc": self.crc}
+        return {"id": self.id, "size": self.size, "crc": self.crc, "stamp": self.stamp}
 
-    def changed(self) -> str | None:
-        """Link tier: why the linked file no longer is what was recorded, or ``None``."""
-        if self.source is None:
-            return None
-        src = self.source
+    def check(self) -> str | None:
+        """Why this segment must not be handed out, or ``None``; cheap (one or two
+        ``fstat``), run before every hit: Note [Checks before a hit]. A file whose
+        identity moved since its bytes were last known good is marked unverified: the
+        caller checks its checksum before serving it."""
         try:
             st = os.fstat(self.fd)
         except OSError as exc:
             return f"cannot check it: {exc}"
-        now = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-        then = (src.get("dev"), src.get("ino"), src.get("size"), src.get("mtime_ns"))
+        if self.tier == "link":
+            return self._source_changed(st)
+        if self.tier != "file":
+            return None  # a sealed memfd: nobody can change it
+        finished = file_bytes(self.size)
+        if self.persisted:
+            if st.st_size != finished:
+                return (f"segment file {self.id} has {st.st_size} bytes, {finished} "
+                        "expected (truncated or extended)")
+            if identity(st) != self.stamp:
+                self.verified = False  # the checksum tells whether it did harm
+        elif st.st_size == finished and self.writer_fd >= 0:
+            pass  # ``finish`` is writing the trailer, after it compared the stamp itself
+        elif st.st_size != max(self.size, 1):
+            return (f"segment file {self.id} has {st.st_size} bytes, {max(self.size, 1)} "
+                    "expected (truncated or extended)")
+        elif self.stamp is not None and identity(st) != self.stamp:
+            return f"segment file {self.id} was written after it was stored"  # no crc yet
+        return None
+
+    def changed(self) -> str | None:
+        """Link tier: why the source file no longer is what was recorded, or ``None``."""
+        if self.source is None:
+            return None
+        try:
+            return self._source_changed(os.fstat(self.fd))
+        except OSError as exc:
+            return f"cannot check it: {exc}"
+
+    def _source_changed(self, st: os.stat_result) -> str | None:
+        src = self.source or {}
+        then = [src.get(k) for k in IDENTITY]
+        now = identity(st)
         if now != then:
-            return (f"the source file {src.get('path')} was changed in place (size "
-                    f"{then[2]} -> {now[2]}, mtime_ns {then[3]} -> {now[3]})")
+            what = ", ".join(k for k, a, b in zip(IDENTITY, then, now, strict=True) if a != b)
+            return f"the source file {src.get('path')} was changed in place ({what})"
+        try:  # the path's own inode: a file renamed over it is not the one we hold
+            there = os.stat(str(src.get("path")))
+        except OSError as exc:
+            return f"the source file {src.get('path')} is gone ({exc.strerror})"
+        if (there.st_dev, there.st_ino) != (st.st_dev, st.st_ino):
+            return (f"the source file {src.get('path')} was replaced by another file "
+                    f"(inode {st.st_ino} -> {there.st_ino})")
         return None
 
 
 class Store:
-    """The cache directory (or none) and the segments' life cycle in it."""
+    """The cache directory (or none) and the segments' life cycle in it.
+
+    Note [The cache directory is used through its descriptor]: the daemon checks the
+    directory once (ours, 0700, no folder above it that another user could change:
+    ``open_cache_dir``) and from then on names every file relative to the descriptor it
+    opened then (``dir_fd=``: openat, unlinkat, renameat, ``scandir`` of the fd). A
+    directory renamed away and replaced (by a symbolic link to someone else's) is never
+    followed: the daemon goes on using the inode it checked, and the next request sees the
+    swap (:meth:`displaced`) and stops the daemon, whose successor refuses the new one.
+    Every file is opened ``O_NOFOLLOW | O_NONBLOCK`` and must be a regular file: a symbolic
+    link, FIFO, socket or device planted under one of our names is refused, never
+    followed, never waited on (``O_NONBLOCK``: opening a FIFO does not block, reading a
+    device is never tried). New files are ``O_CREAT | O_EXCL``.
+    """
 
     def __init__(self, directory: Path | None) -> None:
-        self.dir = directory
+        self.dir = Path(os.path.abspath(directory)) if directory is not None else None
         self.tier = "memfd"
         self.reason = ""
         self._dir_fd = -1
+        self._dir_id: tuple[int, int] | None = None
         self._warned_space = False
-        if directory is None:
+        if self.dir is None:
             self.reason = "no cache directory"
             return
-        check_cache_dir(directory)  # raises CacheDirRefused: the caller refuses to start
+        directory = self.dir
+        fd = open_cache_dir(directory)  # raises CacheDirRefused: the caller refuses to start
         fstype = filesystem_type(directory)
         if fstype in FALLBACK_FILESYSTEMS or fstype.startswith("fuse."):
             self.reason = f"{directory} is on {fstype}"
         elif not os.access(directory, os.W_OK | os.X_OK):
             self.reason = f"{directory} is not writable"
         else:
-            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
-                os.close(fd)
                 if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    os.close(fd)
                     raise
                 self.reason = f"{directory} is used by another overmind-lab daemon"
             else:
-                self._dir_fd, self.tier = fd, "file"
+                st = os.fstat(fd)
+                self._dir_fd, self._dir_id, self.tier = fd, (st.st_dev, st.st_ino), "file"
         if self.tier == "memfd":
+            os.close(fd)
             log.warning("segments live in memory (memfd tier): %s; they do not survive "
                         "a daemon restart", self.reason)
         else:
@@ -215,6 +359,42 @@ class Store:
             os.close(self._dir_fd)  # releases the directory lock
             self._dir_fd = -1
 
+    def displaced(self) -> str | None:
+        """Why the cache directory's path no longer names the directory we hold, or
+        ``None`` (Note [The cache directory is used through its descriptor])."""
+        if self.dir is None or self._dir_id is None:
+            return None
+        try:
+            st = os.lstat(self.dir)
+        except OSError as exc:
+            return f"the cache directory {self.dir} is gone ({exc.strerror})"
+        if not stat.S_ISDIR(st.st_mode) or (st.st_dev, st.st_ino) != self._dir_id:
+            kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "another file"
+            return (f"the cache directory {self.dir} was replaced by {kind} while the "
+                    "daemon ran")
+        return None
+
+    # -- files, by name in the directory we hold ------------------------------------------
+    def _open(self, name: str, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
+        """Open ``name`` in the cache directory: never a symbolic link, never blocking,
+        always a regular file (else ``Corrupt``)."""
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode,
+                     dir_fd=self._dir_fd)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise Corrupt(f"{self.dir}/{name} is not a regular file (mode "
+                              f"{st.st_mode:o}): something else was put in its place")
+            os.set_blocking(fd, True)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _unlink(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=self._dir_fd)
+
     # -- creating ---------------------------------------------------------------------
     def create(self, sid: str, size: int) -> tuple[Segment, int]:
         """A new segment of ``size`` bytes and a writable descriptor for the writer.
@@ -223,23 +403,21 @@ class Store:
         daemon's own descriptors until :meth:`commit` (or :meth:`discard`).
         """
         if self.persistent and self._has_room(size):
-            assert self.dir is not None
-            path = self.dir / (sid + TMP_SUFFIX)
-            rw = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            try:
-                ro = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            name = sid + TMP_SUFFIX
+            rw = self._open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:  # the very inode just created, not whatever the name means now
+                ro = os.open(f"/proc/self/fd/{rw}", os.O_RDONLY | os.O_CLOEXEC)
             except BaseException:
                 os.close(rw)
-                path.unlink()
+                self._unlink(name)
                 raise
             return Segment(sid, ro, size, "file", writer_fd=rw), os.dup(rw)
         fd = os.memfd_create(MEMFD_PREFIX + sid, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         return Segment(sid, fd, size, "memfd"), os.dup(fd)
 
     def _has_room(self, size: int) -> bool:
-        assert self.dir is not None
         try:
-            st = os.statvfs(self.dir)
+            st = os.statvfs(self._dir_fd)
         except OSError:
             return False
         free = st.f_bavail * st.f_frsize
@@ -254,9 +432,12 @@ class Store:
 
     def commit(self, seg: Segment) -> None:
         """The writer is done: check the size and forbid further writes."""
-        size = os.fstat(seg.fd).st_size
-        if size != max(seg.size, 1):
-            raise Corrupt(f"segment {seg.id} has {size} bytes, {max(seg.size, 1)} announced")
+        st = os.fstat(seg.fd)
+        if st.st_size != max(seg.size, 1):
+            raise Corrupt(f"segment {seg.id} has {st.st_size} bytes, "
+                          f"{max(seg.size, 1)} announced")
+        if seg.tier == "file":
+            seg.stamp = identity(st)  # Note [Checks before a hit]: the writer is done
         if seg.tier == "memfd":
             # Note [Seal after unmapping]: F_SEAL_WRITE fails with EBUSY while any shared
             # writable mapping of the memfd exists. The writer unmaps before it sends
@@ -273,43 +454,44 @@ class Store:
             if fd >= 0:
                 os.close(fd)
         seg.fd = seg.writer_fd = -1
-        if seg.tier in ("file", "link") and self.dir is not None:
-            for suffix in (SEG_SUFFIX, TMP_SUFFIX, LINK_SUFFIX):
-                with contextlib.suppress(FileNotFoundError):
-                    (self.dir / (seg.id + suffix)).unlink()
+        if seg.tier == "file" and self._dir_fd >= 0:
+            for suffix in (SEG_SUFFIX, TMP_SUFFIX):
+                self._unlink(seg.id + suffix)
 
     # -- source files ---------------------------------------------------------------
     def link(self, sid: str, record: dict[str, Any]) -> tuple[Segment | None, str]:
-        """Hard-link a source file into the cache; ``(None, why)`` when it cannot be.
+        """Hold a source file whose regions storages are; ``(None, why)`` when it cannot.
 
-        See Note [Referenced source files] in the client's sources module.
+        Note [Source files are held, not linked]: the daemon opens the file and keeps the
+        descriptor (the entry's bytes stay those of that inode while it lives) and records
+        its path and identity, which a restarted daemon reopens and compares. It used to
+        hard-link the file into the cache directory; a link changes the file's ctime,
+        which the client's key covers (Note [File signatures]): every load after a store
+        would have missed. See also Note [Referenced source files] in the client's sources
+        module.
         """
         if not self.persistent or self.dir is None:
             return None, "the cache is in memory (memfd tier)"
         path = str(record.get("path", ""))
-        real = os.path.realpath(path)
-        if os.path.dirname(real) == os.path.realpath(self.dir):
-            return None, "it is a file of the cache itself"
-        dst = self.dir / (sid + LINK_SUFFIX)
         try:
-            os.link(real, dst, follow_symlinks=False)
-        except OSError as exc:  # EXDEV: another file system; EPERM: protected_hardlinks
-            return None, f"cannot link {path}: {exc.strerror}"
-        try:
-            fd = os.open(dst, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError as exc:
-            dst.unlink()
-            return None, f"cannot open the link of {path}: {exc.strerror}"
-        keep = {k: record.get(k) for k in ("path", "dev", "ino", "size", "mtime_ns")}
-        seg = Segment(sid, fd, int(keep["size"] or 0), "link", persisted=True, source=keep)
-        why = seg.changed()
-        if why is not None:
-            self.discard(seg)
+            return None, f"cannot open {path}: {exc.strerror}"
+        st = os.fstat(fd)
+        here = os.fstat(self._dir_fd)
+        why = ""
+        if not stat.S_ISREG(st.st_mode):
+            why = f"{path} is not a regular file"
+        elif [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns] != [
+                record.get(k) for k in ("dev", "ino", "size", "mtime_ns")]:
+            why = f"{path} changed since the loader read it"
+        elif _parent_id(path) == (here.st_dev, here.st_ino):
+            why = "it is a file of the cache itself"
+        if why:
+            os.close(fd)
             return None, why
-        # No directory fsync here, on the client's path (it waits for the journal): the
-        # link becomes durable with the index's own directory fsync (``save_index``), and
-        # a link that no saved index names is deleted by the next daemon (``collect``).
-        return seg, ""
+        keep = {"path": path, **dict(zip(IDENTITY, identity(st), strict=True))}
+        return Segment(sid, fd, st.st_size, "link", persisted=True, source=keep), ""
 
     # -- finishing (blocking: run in a thread) ------------------------------------------
     def finish(self, seg: Segment) -> None:
@@ -318,21 +500,27 @@ class Store:
         Note [Finishing in the background]: the entry is served from the ``.tmp`` file
         while this runs (its pages are in the page cache already); a crash before the
         rename leaves a ``.tmp`` that the next daemon deletes, and the index only ever
-        names finished files.
+        names finished files. The file must not have moved since ``store`` (its stamp):
+        the checksum would seal bytes nobody stored.
         """
         assert self.dir is not None and seg.writer_fd >= 0
         crc = _crc_fd(seg.fd, seg.size)
+        if seg.stamp is not None and identity(os.fstat(seg.fd)) != seg.stamp:
+            raise Corrupt(f"segment file {seg.id} was written after it was stored")
         trailer_at = _align(max(seg.size, 1))
         os.pwrite(seg.writer_fd, _trailer(seg.size, crc), trailer_at)
         os.fsync(seg.writer_fd)
         os.fchmod(seg.writer_fd, 0o400)
+        os.rename(seg.id + TMP_SUFFIX, seg.id + SEG_SUFFIX, src_dir_fd=self._dir_fd,
+                  dst_dir_fd=self._dir_fd)
+        self._fsync_dir()
+        # In this order: ``Segment.check`` (the event loop's thread) accepts the finished
+        # size while the writer fd is open, then compares with the final stamp.
+        seg.crc = crc
+        seg.stamp = identity(os.fstat(seg.fd))  # after the chmod and the rename
+        seg.persisted = True
         os.close(seg.writer_fd)
         seg.writer_fd = -1
-        tmp, final = self.dir / (seg.id + TMP_SUFFIX), self.dir / (seg.id + SEG_SUFFIX)
-        os.rename(tmp, final)
-        self._fsync_dir()
-        seg.crc = crc
-        seg.persisted = True
 
     def _fsync_dir(self) -> None:
         if self._dir_fd >= 0:
@@ -340,43 +528,51 @@ class Store:
 
     # -- reopening --------------------------------------------------------------------
     def open_segment(self, record: dict[str, Any]) -> Segment:
-        """Reopen a finished segment file named by an index record; checks its trailer."""
+        """Reopen a finished segment file named by an index record; checks its trailer.
+
+        A file whose identity is the one recorded after it was finished was not written
+        since its checksum was taken: it is served at once and its checksum read in the
+        background (``scrubbed`` False). Any other (no stamp, copied, touched) is checked
+        before its first use (``verified`` False). Note [Checks before a hit].
+        """
         assert self.dir is not None
         if record.get("tier") == "link":
             return self._open_link(record)
         sid, size, crc = str(record["id"]), int(record["size"]), record.get("crc")
         if not sid.isalnum() or not isinstance(crc, int):
             raise Corrupt(f"index record {record!r} is malformed")
-        path = self.dir / (sid + SEG_SUFFIX)
+        name = sid + SEG_SUFFIX
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            fd = self._open(name)
         except OSError as exc:
-            raise Corrupt(f"segment file {path} cannot be opened: {exc}") from exc
+            raise Corrupt(f"segment file {self.dir}/{name} cannot be opened: {exc}") from exc
         try:
             st = os.fstat(fd)
             trailer_at = _align(max(size, 1))
-            if not stat.S_ISREG(st.st_mode) or st.st_size != file_bytes(size):
-                raise Corrupt(f"segment file {path} has {st.st_size} bytes, "
+            if st.st_size != file_bytes(size):
+                raise Corrupt(f"segment file {self.dir}/{name} has {st.st_size} bytes, "
                               f"{file_bytes(size)} expected (truncated or torn)")
-            found = _parse_trailer(os.pread(fd, _TRAILER.size + 4, trailer_at), path)
+            found = _parse_trailer(os.pread(fd, _TRAILER.size + 4, trailer_at),
+                                   Path(self.dir, name))
             if found != (size, crc):
-                raise Corrupt(f"segment file {path} holds {found}, its index record says "
-                              f"{(size, crc)}")
+                raise Corrupt(f"segment file {self.dir}/{name} holds {found}, its index "
+                              f"record says {(size, crc)}")
         except BaseException:
             os.close(fd)
             raise
-        return Segment(sid, fd, size, "file", crc=crc, persisted=True, verified=False)
+        untouched = record.get("stamp") == identity(st)
+        return Segment(sid, fd, size, "file", crc=crc, persisted=True, verified=untouched,
+                       scrubbed=False, stamp=identity(st))
 
     def _open_link(self, record: dict[str, Any]) -> Segment:
-        assert self.dir is not None
         sid, source = str(record["id"]), record.get("source")
-        if not sid.isalnum() or not isinstance(source, dict):
-            raise Corrupt(f"index record {record!r} is malformed")
-        path = self.dir / (sid + LINK_SUFFIX)
+        if not sid.isalnum() or not isinstance(source, dict) or "ctime_ns" not in source:
+            raise Corrupt(f"index record {record!r} is malformed or from an older daemon")
+        path = str(source.get("path"))
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError as exc:
-            raise Corrupt(f"linked source file {path} cannot be opened: {exc}") from exc
+            raise Corrupt(f"the source file {path} cannot be opened: {exc}") from exc
         seg = Segment(sid, fd, int(record["size"]), "link", persisted=True, source=source)
         why = seg.changed()
         if why is not None:
@@ -385,31 +581,43 @@ class Store:
         return seg
 
     def verify(self, seg: Segment) -> None:
-        """Check the data checksum of a reopened segment (blocking; reads every byte)."""
-        if seg.verified:
+        """Check the data checksum of a segment (blocking; reads every byte)."""
+        if seg.verified and seg.scrubbed:
             return
+        before = identity(os.fstat(seg.fd))
         crc = _crc_fd(seg.fd, seg.size)
         if crc != seg.crc:
             raise Corrupt(f"segment file {self.dir}/{seg.id}{SEG_SUFFIX} does not match its "
                           f"checksum (crc32 {crc:08x}, expected {seg.crc:08x}): its bytes "
                           "changed on disk")
-        seg.verified = True
+        if identity(os.fstat(seg.fd)) != before:
+            raise Corrupt(f"segment file {self.dir}/{seg.id}{SEG_SUFFIX} was written while "
+                          "its checksum was read")
+        seg.stamp = before  # known good as it is now (a chmod or a touch did no harm)
+        seg.verified = seg.scrubbed = True
 
     def collect(self, keep: set[str]) -> list[str]:
-        """Delete every segment file and leftover not in ``keep``; returns their names."""
+        """Delete every segment file and leftover not in ``keep``; returns their names.
+
+        ``.src`` files are hard links an older daemon made (Note [Source files are held,
+        not linked]): all go."""
         if self.dir is None or not self.persistent:
             return []
         removed = []
-        for entry in os.scandir(self.dir):
-            name = entry.name
+        with os.scandir(self._dir_fd) as it:
+            names = [entry.name for entry in it]
+        for name in names:
             sid, dot, suffix = name.partition(".")
-            if name in (INDEX_NAME,) or (dot and "." + suffix in (SEG_SUFFIX, LINK_SUFFIX)
-                                         and sid in keep):
+            if name == INDEX_NAME or (dot and "." + suffix == SEG_SUFFIX and sid in keep):
                 continue
             if name == INDEX_NAME + TMP_SUFFIX or "." + suffix in (SEG_SUFFIX, TMP_SUFFIX,
                                                                    LINK_SUFFIX):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
+                try:
+                    self._unlink(name)
+                except IsADirectoryError:
+                    log.warning("%s/%s is a directory, not one of our files: left as is",
+                                self.dir, name)
+                    continue
                 removed.append(name)
         return removed
 
@@ -417,23 +625,22 @@ class Store:
     def save_index(self, body: dict[str, Any]) -> None:
         """Write the index atomically (write, fsync, rename, fsync the directory)."""
         assert self.dir is not None and self.persistent
-        path = self.dir / INDEX_NAME
         if not body.get("entries"):
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()  # nothing cached: the directory is left empty
+            self._unlink(INDEX_NAME)  # nothing cached: the directory is left empty
             self._fsync_dir()
             return
         data = json.dumps({"version": FORMAT_VERSION, **body},
                           separators=(",", ":")).encode()
-        tmp = self.dir / (INDEX_NAME + TMP_SUFFIX)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        tmp = INDEX_NAME + TMP_SUFFIX
+        self._unlink(tmp)  # a leftover, or something planted: never written through
+        fd = self._open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             header = _INDEX_HEADER.pack(_INDEX_MAGIC, len(data), zlib.crc32(data))
             _write_all(fd, header + data)
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.rename(tmp, path)
+        os.rename(tmp, INDEX_NAME, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
         self._fsync_dir()
 
     def load_index(self) -> dict[str, Any] | None:
@@ -442,12 +649,18 @@ class Store:
             return None
         path = self.dir / INDEX_NAME
         try:
-            with open(path, "rb") as f:
-                raw = f.read()
+            fd = self._open(INDEX_NAME)
         except FileNotFoundError:
             return None
         except OSError as exc:
             raise Corrupt(f"index {path} cannot be read: {exc}") from exc
+        try:
+            size = os.fstat(fd).st_size
+            if size > MAX_INDEX:
+                raise Corrupt(f"index {path} has {size} bytes, more than an index has")
+            raw = os.pread(fd, size, 0)
+        finally:
+            os.close(fd)
         if len(raw) < _INDEX_HEADER.size:
             raise Corrupt(f"index {path} is truncated ({len(raw)} bytes)")
         magic, length, crc = _INDEX_HEADER.unpack_from(raw)
@@ -475,6 +688,14 @@ class Store:
             if fd >= 0:
                 os.close(fd)
         seg.fd = seg.writer_fd = -1
+
+
+def _parent_id(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(os.path.dirname(path) or ".")
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def footprint(seg: Segment) -> int:
