@@ -21,7 +21,7 @@ BUILD_INPUTS := pyproject.toml $(CONSTRAINTS) $(MODULE_LIST) CMakeLists.txt $(wi
 	package.json yarn.lock tsconfig.json $(shell find labextension/src labextension/style \
 	labextension/schema jupyter-config -type f 2>/dev/null)
 
-.PHONY: install demo test test-python test-js test-ui ui-deps lint clean images images-bench
+.PHONY: install demo test test-python test-js test-ui ui-deps lint clean images images-bench dist
 
 install: $(INSTALLED)
 
@@ -80,12 +80,30 @@ images: install ui-deps images-bench
 	mkdir -p docs/images
 	cp $(UI_ARTIFACTS)/readme-sidebar.png docs/images/sidebar.png
 
+# What a package index gets, in dist/: the sdist (with the prebuilt JupyterLab extension,
+# so that installing it needs no Node.js) and a wheel built from that sdist, repaired by
+# auditwheel to $(DIST_PLAT): the native module needs glibc 2.14 and libstdc++ of GCC 6
+# (Note [Portable native module] in native/portable.cpp). The builds run without isolation,
+# from the build requirements the dev extra installs into .venv. tests/test_install.py
+# builds the same way and installs the result into fresh venvs.
+DIST_PLAT ?= manylinux_2_24_x86_64
+dist: install
+	rm -rf dist
+	$(PY) -m build --sdist --no-isolation --outdir dist .
+	rm -rf build/dist && mkdir -p build/dist
+	tar -xzf dist/overmind_lab-*.tar.gz -C build/dist
+	$(PIP) wheel --no-deps --no-build-isolation -w build/dist/raw \
+		-C build-dir=build/dist/cmake build/dist/overmind_lab-*/
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/auditwheel repair --plat $(DIST_PLAT) \
+		-w dist build/dist/raw/overmind_lab-*.whl
+	@ls -l dist
+
 lint: install
 	$(VENV)/bin/ruff check overmind_lab tests examples
 	$(VENV)/bin/mypy overmind_lab
 
 clean:
-	rm -rf $(VENV) build overmind_lab/labextension labextension/lib node_modules \
+	rm -rf $(VENV) build dist overmind_lab/labextension labextension/lib node_modules \
 		ui-tests/node_modules .models bench-results
 
 # Upstream tests, made to hit warm: transformers' common model tests (its sdist ships them)
