@@ -189,6 +189,10 @@ def load(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     """
     if _state.depth:  # nested inside a cached load: part of the outer result
         return fn(*args, **kwargs)
+    # Without torch no load can be cached: one error naming the extra, before any daemon.
+    from overmind_lab._extras import require
+
+    require("torch", "overmind_lab.load()")
     start = time.perf_counter()
     if _state.bypass:
         result = _plain(fn, args, kwargs)
