@@ -13,13 +13,17 @@
                                                      the warm kernel (forked from a zygote)
 
 Every command takes ``--socket PATH`` (default ``$OVERMIND_LAB_SOCKET`` or the per-user
-socket). Exit status: 0 success, 1 failure, 2 usage error, 3 daemon not running.
+socket). Exit status: 0 success, 1 failure (also: an optional dependency is missing; the
+message names the extra to install), 2 usage error, 3 daemon not running, 141 the reader
+of the output went away (``overmind-lab status | head -3``), as for a command that
+SIGPIPE ended.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -29,6 +33,7 @@ from overmind_lab._errors import DaemonUnavailable, OvermindError
 __all__ = ["main"]
 
 NOT_RUNNING = 3
+BROKEN_PIPE = 128 + 13  # as a shell reports a command that SIGPIPE ended
 
 
 def _client(args: argparse.Namespace) -> Any:
@@ -115,7 +120,21 @@ def cmd_stop(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from overmind_lab._daemon.process import serve_command
 
-    return serve_command(args)
+    if not args.detach:
+        return serve_command(args)
+    from overmind_lab._client.client import Client
+    from overmind_lab._common.naming import log_path, socket_path
+
+    path = socket_path(args.socket)
+    client = Client(path)
+    was_running = client.status()["running"]  # status() never starts a daemon
+    code = serve_command(args)
+    if code == 0:
+        status = client.status()
+        what = "already running" if was_running else "started"
+        print(f"daemon {what}: pid {status.get('pid')}, socket {status.get('socket', path)}, "
+              f"log {log_path(path)}")
+    return code
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,7 +183,20 @@ def _version() -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        if args.command == "bench":
+            from overmind_lab._extras import require
+
+            require("bench", "overmind-lab bench")
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, where a closed pipe can still be handled
+        return code
+    except BrokenPipeError:
+        # The reader stopped reading (`overmind-lab ls | head`): not an error of ours.
+        # Point stdout at /dev/null so that the flush at exit does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return BROKEN_PIPE
     except DaemonUnavailable as exc:
         print(f"overmind-lab: {exc}", file=sys.stderr)
         return NOT_RUNNING
