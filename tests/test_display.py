@@ -50,6 +50,17 @@ def test_speed_ups_are_rounded_for_reading() -> None:
     assert format_speedup(None, 1.0) == format_speedup(1.0, 0.0) == ""
 
 
+def test_a_warm_load_slower_than_the_cold_one_is_not_shown_as_zero() -> None:
+    assert format_speedup(1.0, 4.0) == "0.25x"
+    assert format_speedup(0.1, 3.0) == "0.033x"
+    assert format_speedup(0.9, 1.0) == "0.9x"
+    entry = listed(cold_seconds=0.01, warm_median_seconds=0.3)
+    row = dict(zip(ENTRY_HEADERS, entry_row(entry), strict=True))
+    assert row["speedup"] == "0.033x"
+    assert not any(format_speedup(c / 100, 1.0).startswith("0x") or
+                   format_speedup(c / 100, 1.0) == "0.0x" for c in range(1, 100))
+
+
 def test_the_status_line_of_a_running_daemon_and_of_none() -> None:
     running: Status = {
         "running": True, "socket": "/run/o.sock", "pid": 42, "entries": 2,

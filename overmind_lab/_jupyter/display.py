@@ -55,11 +55,17 @@ def format_seconds(seconds: float | None) -> str:
 
 
 def format_speedup(cold: float | None, warm: float | None) -> str:
-    """How many times faster the warm load was: ``'41x'``; ``''`` when not meaningful."""
-    if not cold or not warm or warm <= 0:
+    """How many times faster the warm load was: ``'41x'``, ``'3.0x'``; a warm load slower
+    than the cold one keeps two significant digits (``'0.25x'``, ``'0.033x'``), never
+    ``'0.0x'``; ``''`` when not meaningful."""
+    if not cold or not warm or warm <= 0 or cold <= 0:
         return ""
     ratio = cold / warm
-    return f"{ratio:.0f}x" if ratio >= 10 else f"{ratio:.1f}x"
+    if ratio >= 10:
+        return f"{ratio:.0f}x"
+    if ratio >= 1:
+        return f"{ratio:.1f}x"
+    return f"{ratio:.2g}x"
 
 
 def entry_speedup(entry: EntryJson) -> str:
