@@ -1,6 +1,7 @@
 """Where zygotes live, and what makes one zygote different from another.
 
-A zygote serves kernels of one interpreter whose import-relevant environment is the same:
+A zygote serves kernels of one interpreter of one Python environment (a venv, or the
+interpreter's own prefix: :func:`environment`) whose import-relevant environment is the same:
 ``CUDA_VISIBLE_DEVICES``, the thread-count variables, ``PYTHONPATH``, ``LD_LIBRARY_PATH``,
 the Hugging Face and torch settings, and the others in :data:`IMPORT_ENV_PREFIXES`.
 Their hash (the *identity*) names the zygote's socket, so kernels with a different
@@ -23,7 +24,8 @@ from pathlib import Path
 
 from overmind_lab._common.naming import ensure_private_dir, runtime_dir, socket_path
 
-__all__ = ["IMPORT_ENV_PREFIXES", "import_env", "identity", "zygote_dir", "ZygotePaths"]
+__all__ = ["IMPORT_ENV_PREFIXES", "import_env", "environment", "identity", "zygote_dir",
+           "ZygotePaths"]
 
 #: Environment variables (by prefix) that can change what an import does or which threads
 #: and devices it sets up. Kernels whose values differ never share a zygote.
@@ -45,9 +47,28 @@ def import_env(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in sorted(env.items()) if k.startswith(IMPORT_ENV_PREFIXES)}
 
 
+def environment(interpreter: str) -> str:
+    """The Python environment ``interpreter`` runs in: its venv's directory, else its prefix.
+
+    Note [Environments share an interpreter]: a venv's ``bin/python`` is a symlink to the
+    interpreter it was made from, so two venvs (and the base installation) resolve to one
+    executable, and a Jupyter server started without activating its venv has no
+    ``VIRTUAL_ENV`` to tell them apart. Their packages differ all the same: a kernel of
+    one venv must never be forked from a zygote that imported another's. A venv is the
+    directory above ``bin/`` that holds ``pyvenv.cfg``, found from the path as given (not
+    resolved through the symlink).
+    """
+    path = os.path.abspath(interpreter)
+    venv = os.path.dirname(os.path.dirname(path))
+    if os.path.isfile(os.path.join(venv, "pyvenv.cfg")):
+        return os.path.realpath(venv)
+    return os.path.dirname(os.path.dirname(os.path.realpath(path)))
+
+
 def identity(interpreter: str, env: Mapping[str, str]) -> str:
-    """A short hash of the interpreter and the import-relevant environment."""
-    data = json.dumps([os.path.realpath(interpreter), sys.version, import_env(env)])
+    """A short hash of the interpreter, its environment and the import-relevant variables."""
+    data = json.dumps([os.path.realpath(interpreter), environment(interpreter), sys.version,
+                       import_env(env)])
     return hashlib.sha256(data.encode()).hexdigest()[:16]
 
 

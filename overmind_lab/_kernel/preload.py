@@ -10,6 +10,14 @@ Note [Third-party only]: a module is preloaded only when its file lies in the in
 standard library or site-packages. The user's own code (the notebook's folder, anything on
 a path of their own, editable installs, whose files live in a source tree) is never
 preloaded: it must come fresh from disk in every kernel.
+
+Note [Importable by name]: a module is learned only when a fresh interpreter imports it by
+its name: its top-level module or package lies directly in the standard library
+(``lib-dynload`` included) or in site-packages. debugpy's vendored pydevd
+(``_pydev_bundle``, ``_pydevd_bundle``, ``pydevd_plugins``...) lies inside site-packages
+but under ``debugpy/_vendored/``, on ``sys.path`` only after debugpy put it there: a
+zygote cannot import those, and its "not preloaded" report would list dozens of names no
+user knows. Such modules are neither learned nor read back from a learned file.
 """
 
 from __future__ import annotations
@@ -61,6 +69,56 @@ def _roots() -> tuple[str, ...]:
 _ROOTS = _roots()
 
 
+def _top_dirs() -> frozenset[str]:
+    """The directories a top-level module importable by name lies directly in."""
+    dirs = {r.rstrip(os.sep) for r in _ROOTS}
+    paths = sysconfig.get_paths()
+    dirs.update(os.path.realpath(os.path.join(paths[k], "lib-dynload"))
+                for k in ("stdlib", "platstdlib") if k in paths)
+    return frozenset(dirs)
+
+
+_TOP_DIRS = _top_dirs()
+_TOP_OK: dict[str, bool] = {}
+
+
+def _top_level_ok(top: str) -> bool:
+    """Note [Importable by name]: whether top-level ``top`` lies in a standard directory
+    (found without importing it; cached per process)."""
+    ok = _TOP_OK.get(top)
+    if ok is not None:
+        return ok
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        spec = None
+    ok = False
+    if spec is not None:
+        if spec.submodule_search_locations:  # a package: the directory above its own
+            ok = any(os.path.dirname(os.path.realpath(p)) in _TOP_DIRS
+                     for p in spec.submodule_search_locations)
+        elif spec.origin and os.path.isabs(spec.origin):
+            ok = os.path.dirname(os.path.realpath(spec.origin)) in _TOP_DIRS
+    _TOP_OK[top] = ok
+    return ok
+
+
+def importable_by_name(name: str) -> bool:
+    """Whether a fresh interpreter imports ``name`` from the standard library or
+    site-packages (Note [Importable by name])."""
+    top = name.partition(".")[0]
+    mod = sys.modules.get(top)
+    if mod is None:
+        return _top_level_ok(top)
+    paths = list(getattr(mod, "__path__", None) or ())
+    file = getattr(mod, "__file__", None)
+    if paths:
+        return any(os.path.dirname(os.path.realpath(p)) in _TOP_DIRS for p in paths)
+    if isinstance(file, str):
+        return os.path.dirname(os.path.realpath(file)) in _TOP_DIRS
+    return False  # a built-in module: nothing to preload
+
+
 def is_third_party(path: str | None) -> bool:
     """Whether ``path`` (a module's file) is in the standard library or site-packages."""
     if not path:
@@ -69,12 +127,19 @@ def is_third_party(path: str | None) -> bool:
 
 
 def third_party_modules(names: Iterable[str] | None = None) -> list[str]:
-    """The imported modules (of ``names``, default all) that are third-party."""
+    """The imported modules (of ``names``, default all) that are third-party and
+    importable by name (Note [Importable by name])."""
     out = []
-    for name in sys.modules if names is None else names:
+    tops: dict[str, bool] = {}
+    for name in list(sys.modules) if names is None else names:
         mod = sys.modules.get(name)
         file = getattr(mod, "__file__", None)
-        if isinstance(file, str) and is_third_party(file) and not name.startswith("__"):
+        if not (isinstance(file, str) and is_third_party(file)) or name.startswith("__"):
+            continue
+        top = name.partition(".")[0]
+        if top not in tops:
+            tops[top] = importable_by_name(top)
+        if tops[top]:
             out.append(name)
     return sorted(out)
 
@@ -111,11 +176,14 @@ def preload_overmind() -> None:
 
 
 def read_learned(path: Path) -> list[str]:
+    """The learned modules a fresh interpreter can import by name (a file written before
+    Note [Importable by name] may hold others)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return []
-    return [str(n) for n in data.get("modules", [])] if isinstance(data, dict) else []
+    names = [str(n) for n in data.get("modules", [])] if isinstance(data, dict) else []
+    return [n for n in names if importable_by_name(n)]
 
 
 def record_learned(path: Path, modules: Iterable[str]) -> None:

@@ -2,7 +2,9 @@
 
 ``install`` writes a kernelspec (``python -m ipykernel_launcher -f {connection_file}``
 with this interpreter) whose metadata selects the ``overmind-lab-warm`` provisioner.
-``status`` and ``restart-zygote`` talk to the zygotes in the zygote directory.
+``status`` and ``restart-zygote`` talk to the zygotes in the zygote directory that this
+Python environment made (Note [Environments share an interpreter] in ``naming.py``): two
+environments whose sockets share a directory never list or replace each other's.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from overmind_lab._common.protocol import Channel
-from overmind_lab._kernel.naming import zygote_dir
+from overmind_lab._extras import require
+from overmind_lab._kernel.naming import environment, zygote_dir
 
 __all__ = ["DEFAULT_NAME", "DISPLAY_NAME", "kernel_json", "install", "uninstall",
            "zygotes", "add_parser"]
@@ -46,6 +49,7 @@ def install(name: str = DEFAULT_NAME, display_name: str = DISPLAY_NAME, *,
             user: bool = False, prefix: str | None = None,
             env: dict[str, str] | None = None) -> str:
     """Install the warm kernelspec; returns its directory."""
+    require("jupyter", "the warm kernel", ["jupyter_client", "ipykernel"])
     from jupyter_client.kernelspec import KernelSpecManager
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -56,6 +60,7 @@ def install(name: str = DEFAULT_NAME, display_name: str = DISPLAY_NAME, *,
 
 
 def uninstall(name: str = DEFAULT_NAME) -> str | None:
+    require("jupyter", "overmind-lab kernel uninstall", ["jupyter_client"])
     from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 
     try:
@@ -92,15 +97,26 @@ def _memory(pid: int) -> dict[str, int]:
     return out
 
 
-def zygotes(directory: Path | None = None) -> list[dict[str, Any]]:
-    """The status of every zygote listening in ``directory`` (default: the zygote dir)."""
-    directory = zygote_dir() if directory is None else directory
+def _own(directory: Path) -> list[tuple[Path, dict[str, Any]]]:
+    """The sockets and status of the zygotes in ``directory`` of this Python environment."""
+    mine = environment(sys.executable)
     out = []
     for path in sorted(directory.glob("zygote-*.sock")):
         try:
             status = _ask(path, {"op": "status"})
         except OSError:
             continue
+        if environment(str(status.get("python", ""))) == mine:
+            out.append((path, status))
+    return out
+
+
+def zygotes(directory: Path | None = None) -> list[dict[str, Any]]:
+    """The status of every zygote of this environment in ``directory`` (default: the
+    zygote dir)."""
+    directory = zygote_dir() if directory is None else directory
+    out = []
+    for _path, status in _own(directory):
         status.pop("ok", None)
         status.update(_memory(int(status["pid"])))
         out.append(status)
@@ -108,10 +124,11 @@ def zygotes(directory: Path | None = None) -> list[dict[str, Any]]:
 
 
 def restart_zygotes(directory: Path | None = None) -> list[int]:
-    """Ask every zygote to start a replacement (fresh imports) and retire."""
+    """Ask every zygote of this environment to start a replacement (fresh imports) and
+    retire."""
     directory = zygote_dir() if directory is None else directory
     pids = []
-    for path in sorted(directory.glob("zygote-*.sock")):
+    for path, _status in _own(directory):
         try:
             pids.append(int(_ask(path, {"op": "replace"})["pid"]))
         except (OSError, KeyError):

