@@ -11,6 +11,9 @@ A key hashes:
   of its files, for a file its size and mtime, for a hub id the revision resolved in the
   local hub cache (and the snapshot's files);
 - the versions of Python, torch, the loading libraries and this package's format;
+- a digest of the loader's code where it is the user's own (its module, ``__main__``, a
+  notebook cell, an editable install: ``user_code.code_of``); the classes of the result
+  are checked when the entry is hit (Note [What a warm hit skips]);
 - the process state the loaders read besides their arguments (``Note [What a warm hit
   skips]``).
 
@@ -36,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from overmind_lab._client import user_code
 from overmind_lab._common.messages import ReplaySpec
 from overmind_lab._errors import NotCacheable
 
@@ -306,9 +310,21 @@ def _hub_signature(repo_id: str, revision: Any) -> dict[str, Any]:
 #   ``TRANSFORMERS_SDPA_FORCE_GQA``, ``USE_SAFETENSORS``, ``HF_ENDPOINT``,
 #   ``HF_MODULES_CACHE``...) and the distributed ones (``WORLD_SIZE``, ``RANK``,
 #   ``LOCAL_RANK``), except those that only change what is printed or who you are
-#   (``_ENV_IGNORED``: verbosity, progress bars, telemetry, tokens).
+#   (``_ENV_IGNORED``: verbosity, progress bars, telemetry, tokens);
+# - the user's own code, where no version says what it is: the loader (the function, the
+#   class a classmethod is bound to, its MRO) enters by a digest of its module file, or of
+#   its source or bytecode when it has no file (``__main__`` of ``python -c``, notebook
+#   cells), for each part that is not from a regular installed distribution: the user's
+#   modules, ``__main__``, HF dynamic modules, editable installs (Note [Regular code] in
+#   ``user_code``). A library's own loader adds ``{}``, a cached lookup per class.
+#                                                                    -> user_code.code_of
 #
 # Deliberately not in the key, because they are handled otherwise:
+# - the classes and functions in the result that are the user's code (a model class
+#   registered with an Auto class, a custom pipeline component): the pickler collects
+#   them, the entry records their digests, and a hit whose code differs from this
+#   process's is a miss that replaces the entry (Note [Code that changed under an entry]
+#   in ``load``);
 # - random generators: a load that draws from one is not cached at all (``Note
 #   [Loads that draw random numbers]`` in ``load``);
 # - warnings and log records: recorded with the entry and replayed on a hit;
@@ -448,7 +464,8 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...],
             normalized[pname] = normalize(value, pname)
     versions = _versions(qual)
     material = {"callable": qual, "code": _code_identity(fn), "args": normalized,
-                "versions": versions, "process": _process_state()}
+                "versions": versions, "process": _process_state(),
+                "user_code": user_code.code_of(fn)}
     digest = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
     return KeyInfo(key=digest[:32], name=_display_name(qual, bound, source_param),
                    callable=qual, source=source,

@@ -1,0 +1,513 @@
+"""The user's own code in cache keys: which code is not a regular installed distribution's,
+and a digest of it.
+
+A key holds the versions of the libraries (``keys._versions``), which say what their code
+is. Nothing says so for the user's code: a model class in the notebook's folder, a loader in
+``__main__``, a notebook cell, an HF dynamic module, or a library installed in editable mode
+(``pip install -e``: its dist-info version stays while its files change). Editing a model
+class and restarting the kernel is the loop this product serves, so such code enters by a
+digest of itself (Note [Code in the key]):
+
+- :func:`code_of` the loader (the callable, its class and that class's MRO), for the key;
+- :func:`graph_code` the classes and functions the pickler met in the result (and their
+  MROs), stored with the entry; :func:`changed` compares them with the code of this
+  process when the entry is hit.
+
+Code is *regular* when its module's file lies under the standard library or a
+site-packages/dist-packages folder and not under the root of an editable install
+(Note [Regular code]); regular code costs a cached dictionary lookup per class.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import hashlib
+import importlib
+import inspect
+import json
+import os
+import re
+import site
+import sys
+import sysconfig
+import types
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
+from urllib.parse import unquote, urlparse
+
+from overmind_lab._errors import NotCacheable
+
+__all__ = ["code_of", "graph_code", "changed", "is_regular_file", "file_digest",
+           "object_digest"]
+
+#: Hex digits kept of a sha256.
+_DIGEST = 32
+
+
+# Note [Regular code]: a module file is regular when the longest root it lies under is a
+# regular one: the standard library, site-packages and dist-packages folders (sysconfig's,
+# site's, and every folder of that name on ``sys.path``). Editable installs are roots of
+# their own, not regular: the project folder named by a dist-info's ``direct_url.json``
+# (PEP 610/660, ``"dir_info": {"editable": true}``), the target of a ``.egg-link``, the
+# folders in ``__editable__*.pth`` files and the ``MAPPING`` of setuptools' editable
+# finders. Longest wins both ways: this repository is an editable install whose root holds
+# ``.venv``, whose site-packages stays regular; and an editable root inside a regular
+# folder is user code. Only the site folders on ``sys.path`` are searched for editable
+# installs (installers write their metadata there), and a dist-info's direct_url.json is
+# read only when a ``.pth`` file is named after it: ~0.3 ms per process in all.
+# Everything outside every root (the notebook's folder, a script's, HF_MODULES_CACHE) is
+# user code too. The roots are computed once per process; paths are compared resolved.
+@functools.lru_cache(maxsize=1)
+def _roots() -> tuple[tuple[str, bool], ...]:
+    """(root + separator, regular?) pairs, longest first."""
+    regular: set[str] = set()
+    paths = sysconfig.get_paths()
+    regular.update(paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")
+                   if k in paths)
+    sites: set[str] = set()
+    try:
+        sites.update(site.getsitepackages())
+    except AttributeError:  # an old virtualenv's site module
+        pass
+    user_site = site.getusersitepackages()
+    if isinstance(user_site, str):
+        sites.add(user_site)
+    sites.update(p for p in sys.path
+                 if os.path.basename(p.rstrip(os.sep)) in ("site-packages", "dist-packages"))
+    regular.update(sites)
+    # Installers write editable installs' metadata into the site folders only.
+    editable = set(_editable_roots([p for p in sys.path if p in sites]))
+    roots = {_as_root(p): True for p in regular if p}
+    roots.update({_as_root(p): False for p in editable if p})
+    return tuple(sorted(roots.items(), key=lambda r: len(r[0]), reverse=True))
+
+
+def _as_root(path: str) -> str:
+    return os.path.realpath(path).rstrip(os.sep) + os.sep
+
+
+_EDITABLE_SUFFIXES = (".dist-info", ".egg-link", ".pth", "_finder.py")
+
+
+def _editable_roots(entries: list[str]) -> list[str]:
+    found: list[str] = []
+    for entry in entries:
+        try:
+            names = os.listdir(entry)
+        except OSError:
+            continue
+        # An editable wheel works through a .pth file (a path, or an import of its
+        # finder), named after the project by every backend: only those projects'
+        # direct_url.json is read, not one file per installed distribution (~1 ms).
+        names = [n for n in names if n.endswith(_EDITABLE_SUFFIXES)]
+        pths = "|".join(_canonical(n) for n in names if n.endswith(".pth"))
+        for name in names:
+            if name.endswith(".dist-info") and _canonical(name.partition("-")[0]) not in pths:
+                continue
+            path = os.path.join(entry, name)
+            if name.endswith(".dist-info"):
+                root = _direct_url_root(os.path.join(path, "direct_url.json"))
+                if root is not None:
+                    found.append(root)
+            elif name.endswith(".egg-link"):
+                found.extend(_lines(path)[:1])
+            elif name.startswith("__editable__") and name.endswith(".pth"):
+                found.extend(line for line in _lines(path)
+                             if not line.startswith(("import ", "import\t", "#")))
+            elif name.startswith("__editable__") and name.endswith("_finder.py"):
+                found.extend(_finder_mapping(path))
+    return [os.path.abspath(p) for p in found if p]
+
+
+def _canonical(name: str) -> str:
+    return name.replace("-", "_").replace(".", "_").lower()
+
+
+def _direct_url_root(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError):  # no such file: installed from an index
+        return None
+    info = record.get("dir_info") if isinstance(record, dict) else None
+    url = urlparse(str(record.get("url", ""))) if isinstance(record, dict) else None
+    if isinstance(info, dict) and info.get("editable") and url is not None \
+            and url.scheme == "file":
+        return unquote(url.path)
+    return None
+
+
+def _lines(path: str) -> list[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [line.strip() for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError):
+        return []
+
+
+def _finder_mapping(path: str) -> list[str]:
+    """The package folders of a setuptools editable finder (``MAPPING = {...}``)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        match = re.search(r"^MAPPING\s*(?::[^=]*)?=\s*(\{.*?\})\s*$", text, re.M | re.S)
+        mapping = ast.literal_eval(match.group(1)) if match else {}
+    except (OSError, ValueError, SyntaxError, UnicodeDecodeError):
+        return []
+    return [str(v) for v in mapping.values()] if isinstance(mapping, dict) else []
+
+
+@functools.lru_cache(maxsize=4096)
+def is_regular_file(path: str) -> bool:
+    """Whether the module file ``path`` belongs to a regular installed distribution or
+    the standard library (Note [Regular code])."""
+    real = os.path.realpath(path)
+    for root, regular in _roots():
+        if real.startswith(root):
+            return regular
+    return False
+
+
+def _module_file(module: types.ModuleType | None) -> str | None | Literal[False]:
+    """The file of a user module, ``None`` for a user module without one (``__main__`` of
+    ``python -c``, a notebook's), ``False`` for a regular module (or an unknown one)."""
+    if module is None:
+        return False
+    file = getattr(module, "__file__", None)
+    if isinstance(file, str):
+        return False if is_regular_file(file) else file
+    name = module.__name__
+    if name in sys.builtin_module_names:
+        return False
+    spec = getattr(module, "__spec__", None)
+    if spec is not None and getattr(spec, "origin", None) in ("built-in", "frozen"):
+        return False
+    if spec is not None and getattr(spec, "submodule_search_locations", None) is not None:
+        return False  # a namespace package: defines no classes of its own
+    return None
+
+
+# -- digests ------------------------------------------------------------------------------
+_file_digests: dict[tuple[str, int, int, int, int, int], str] = {}
+
+
+def file_digest(path: str) -> str:
+    """sha256 of a file's content, cached per process by its (path, device, inode, size,
+    mtime_ns, ctime_ns)."""
+    st = os.stat(path)
+    sig = (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    digest = _file_digests.get(sig)
+    if digest is None:
+        with open(path, "rb") as f:
+            digest = _file_digests[sig] = hashlib.sha256(f.read()).hexdigest()[:_DIGEST]
+    return digest
+
+
+@functools.lru_cache(maxsize=1)
+def _process_start_ns() -> int:
+    """When this process started (``/proc``; 0 where that cannot be read). Rounded down:
+    a file changed just before the start may look changed after it, never the reverse."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            ticks = int(f.read().rpartition(b")")[2].split()[19])
+        with open("/proc/stat", "rb") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime"))
+        return (boot * 10**9 + ticks * 10**9 // os.sysconf("SC_CLK_TCK")) - 10**9
+    except (OSError, ValueError, IndexError, StopIteration):
+        return 0
+
+
+# Note [A file changed under a running process]: the digest of a module file is of the
+# file as it is on disk, but the process runs the code it imported. When the user edits
+# a module after this process imported it (a notebook kernel left running, no
+# ``importlib.reload``), a miss would load with the old code and store the result under
+# the new file's digest: every later process would get the old code's object. So a user
+# file changed (ctime) after this process started is checked against the code in memory:
+# the file is compiled, and every function and method the module defines must be one of
+# the compiled code objects (code objects compare by bytecode, constants, names and line
+# numbers). A module written and then first imported during the session (``%%writefile``)
+# passes; one edited after its import raises NotCacheable (the load runs uncached, a
+# restart caches it again). Class-level constants are not code objects and are not
+# compared; HF_MODULES_CACHE is exempt, as transformers re-executes a dynamic module when
+# its file changes. Files older than the process cost nothing here.
+_checked_files: set[tuple[str, int, int, int]] = set()
+
+
+def _current_in_memory(module: types.ModuleType, path: str) -> bool:
+    st = os.stat(path)
+    if st.st_ctime_ns < _process_start_ns() or _in_hf_modules(path):
+        return True
+    sig = (path, st.st_ino, st.st_size, st.st_ctime_ns)
+    if sig in _checked_files:
+        return True
+    # Only a match is remembered: a reload can make a module match its file again.
+    if not _matches_source(module, path):
+        return False
+    _checked_files.add(sig)
+    return True
+
+
+def _in_hf_modules(path: str) -> bool:
+    home = os.environ.get("HF_HOME", os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "huggingface"))
+    cache = os.environ.get("HF_MODULES_CACHE", os.path.join(home, "modules"))
+    return os.path.realpath(path).startswith(_as_root(cache))
+
+
+def _matches_source(module: types.ModuleType, path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            compiled = compile(f.read(), path, "exec", dont_inherit=True)
+    except (OSError, SyntaxError, ValueError):
+        return False
+    known: set[types.CodeType] = set()
+    stack = [compiled]
+    while stack:
+        code = stack.pop()
+        known.add(code)
+        stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    for code in _module_codes(module, path):
+        if code not in known:
+            return False
+    return True
+
+
+def _module_codes(module: types.ModuleType, path: str) -> Iterable[types.CodeType]:
+    """The code objects of the functions and methods ``module`` defines from ``path``."""
+    seen: set[int] = set()
+    stack: list[Any] = list(vars(module).values())
+    while stack:
+        value = stack.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, type) and value.__module__ == module.__name__:
+            stack.extend(vars(value).values())
+            continue
+        func = _function_of(value)
+        if func is not None:
+            for inner in _inner_functions(func):
+                if inner.__code__.co_filename == path:
+                    yield inner.__code__
+
+
+def _function_of(value: Any) -> types.FunctionType | None:
+    if isinstance(value, (staticmethod, classmethod)):
+        value = value.__func__
+    elif isinstance(value, property):
+        value = value.fget
+    return value if isinstance(value, types.FunctionType) else None
+
+
+def _inner_functions(func: types.FunctionType) -> list[types.FunctionType]:
+    """``func``, and what a decorator wrapped in it (``__wrapped__``, closure cells)."""
+    out: list[types.FunctionType] = []
+    stack = [func]
+    while stack and len(out) < 16:
+        f = stack.pop()
+        if any(f is o for o in out):
+            continue
+        out.append(f)
+        wrapped = _function_of(getattr(f, "__wrapped__", None))
+        if wrapped is not None:
+            stack.append(wrapped)
+        for cell in f.__closure__ or ():
+            try:
+                inner = _function_of(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+            if inner is not None:
+                stack.append(inner)
+    return out
+
+
+def object_digest(obj: Any) -> str | None:
+    """The digest of a class's or function's code; ``None`` when it is regular code.
+
+    Raises :class:`NotCacheable` when its module's file changed after this process
+    imported it (Note [A file changed under a running process]).
+    """
+    name = getattr(obj, "__module__", None) or ""
+    if name.partition(".")[0] == "overmind_lab":
+        return None  # our own reducers: FORMAT_VERSION says what they are
+    module = sys.modules.get(name)
+    file = _module_file(module)
+    if file is False:
+        return None
+    return _digest(obj, module, file)
+
+
+def _digest(obj: Any, module: types.ModuleType | None, file: str | None) -> str:
+    if file is not None and module is not None:
+        if not _current_in_memory(module, file):
+            raise NotCacheable(f"{file} changed after this process imported it; restart "
+                               "(or reload the module) to cache loads that use it")
+        return file_digest(file)
+    h = hashlib.sha256()
+    _hash_object(obj, h, set())
+    return h.hexdigest()[:_DIGEST]
+
+
+# Note [Code without a file]: ``__main__`` of ``python -c`` and a notebook's cells have no
+# module file. A function enters by its source (``inspect.getsource``: linecache holds
+# IPython's cells), else by its code objects (bytecode, names, constants, recursively:
+# ``python -c``'s source is not kept), and its default values; a class by its name, its
+# bases and every member of its ``__dict__`` in name order: functions as above (also
+# behind staticmethod, classmethod, property), nested classes recursively, plain values
+# by ``repr`` and other values by their type. ``marshal`` is not used: its output depends
+# on reference counts. Two scripts that define different classes of the same name get
+# different digests.
+def _hash_object(obj: Any, h: Any, seen: set[int]) -> None:
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, type):
+        h.update(f"class {obj.__qualname__}{[b.__qualname__ for b in obj.__bases__]}"
+                 .encode())
+        for name in sorted(vars(obj)):
+            if name in ("__dict__", "__weakref__", "__module__", "__doc__", "__qualname__"):
+                continue
+            value = vars(obj)[name]
+            h.update(f"\0{name}=".encode())
+            if isinstance(value, type) and value.__qualname__.startswith(obj.__qualname__):
+                _hash_object(value, h, seen)
+            elif isinstance(value, property):
+                for part in (value.fget, value.fset, value.fdel):
+                    _hash_function(part, h)
+            elif _function_of(value) is not None:
+                _hash_function(_function_of(value), h)
+            else:
+                h.update(_plain_repr(value).encode())
+        return
+    func = _function_of(obj)
+    if func is not None:
+        _hash_function(func, h)
+    else:
+        h.update(_plain_repr(obj).encode())
+
+
+def _hash_function(func: Any, h: Any) -> None:
+    func = _function_of(func)
+    if func is None:
+        h.update(b"-")
+        return
+    for inner in _inner_functions(func):
+        try:
+            h.update(inspect.getsource(inner).encode())
+        except (OSError, TypeError):
+            _hash_code(inner.__code__, h)
+        h.update(_plain_repr((inner.__defaults__, inner.__kwdefaults__)).encode())
+
+
+def _hash_code(code: types.CodeType, h: Any) -> None:
+    h.update(code.co_code)
+    h.update(repr((code.co_name, code.co_names, code.co_varnames, code.co_freevars,
+                   code.co_cellvars, code.co_argcount, code.co_posonlyargcount,
+                   code.co_kwonlyargcount, code.co_flags)).encode())
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            _hash_code(const, h)
+        else:
+            h.update(_plain_repr(const).encode())
+
+
+def _plain_repr(value: Any) -> str:
+    """``repr`` of plain values (sets sorted: their order is salted); the type otherwise."""
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+        return repr(value)
+    if isinstance(value, (tuple, list)):
+        return f"{type(value).__name__}({','.join(_plain_repr(v) for v in value)})"
+    if isinstance(value, (set, frozenset)):
+        return f"set({','.join(sorted(_plain_repr(v) for v in value))})"
+    if isinstance(value, dict):
+        items = sorted(f"{_plain_repr(k)}:{_plain_repr(v)}" for k, v in value.items())
+        return f"dict({','.join(items)})"
+    return f"<{type(value).__module__}.{type(value).__qualname__}>"
+
+
+# -- what enters keys and entries ----------------------------------------------------------
+def _name(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', None)}:{getattr(obj, '__qualname__', '?')}"
+
+
+def _with_mros(items: Iterable[Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        for part in (item.__mro__ if isinstance(item, type) else (item,)):
+            out.setdefault(_name(part), part)
+    return out
+
+
+def _digests(items: Iterable[Any]) -> dict[str, str]:
+    out = {}
+    for name, obj in _with_mros(items).items():
+        digest = object_digest(obj)
+        if digest is not None:
+            out[name] = digest
+    return dict(sorted(out.items()))
+
+
+def code_of(fn: Callable[..., Any]) -> dict[str, str]:
+    """The user's code among the loader: ``fn`` itself, the class a classmethod is bound
+    to and that class's MRO, or ``fn``'s MRO when it is a class. ``{"module:qualname":
+    digest}`` of the items that are not regular code; ``{}`` for a library's loader."""
+    owner = getattr(fn, "__self__", None)
+    items: list[Any] = [getattr(fn, "__func__", fn)]
+    if isinstance(owner, type):
+        items.append(owner)
+    return _digests(items)
+
+
+def graph_code(objects: Iterable[Any]) -> dict[str, str]:
+    """The user's code among the classes and functions a result's stream names (and the
+    classes' MROs), as :func:`code_of` lists it. Items that cannot be found again by
+    name and have no module file (a lambda in ``python -c``) are left out: pickle stores
+    such functions by value, with their code."""
+    out = _digests(objects)
+    for name in list(out):
+        if _resolve(name) is None and _module_file(
+                sys.modules.get(name.partition(":")[0])) is None:
+            del out[name]
+    return out
+
+
+def _resolve(name: str) -> Any:
+    module_name, _, qualname = name.partition(":")
+    module = sys.modules.get(module_name)
+    if module is None and module_name != "__main__":
+        try:
+            module = importlib.import_module(module_name)
+        except Exception:  # noqa: BLE001 - any import failure: the code is gone
+            return None
+    obj: Any = module
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def changed(recorded: dict[str, str] | None) -> str | None:
+    """Why the code an entry was built with differs from this process's, or ``None``
+    (also for entries without user code: the common case, free)."""
+    if not recorded:
+        return None
+    for name, digest in recorded.items():
+        module_name = name.partition(":")[0]
+        obj = _resolve(name)
+        module = sys.modules.get(module_name)
+        if module is None:
+            return f"{module_name} cannot be imported"
+        file = _module_file(module)
+        if file is False:
+            return f"{name} is no longer the user's code"
+        if obj is None and file is None:
+            return f"{name} is not defined in this process"
+        try:
+            now = _digest(obj, module, file)
+        except (NotCacheable, OSError) as exc:
+            return str(exc)
+        if now != digest:
+            return f"the code of {name} changed"
+    return None
