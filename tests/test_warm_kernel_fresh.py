@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 
 from overmind_lab._kernel import inherit, spec
+from overmind_lab._kernel.naming import identity
 from overmind_lab._kernel.provisioner import WarmUnavailable, request_fork
 from tests.conftest import run_cell
 from tests.test_warm_kernel import PRELOAD, ListHandler, _kill_ours, ready_zygote
@@ -212,31 +213,36 @@ def lab() -> Iterator[dict[str, Any]]:
 @contextmanager
 def _server_attributes(zygote_pid: int) -> Iterator[None]:
     """This process (the "server") takes other values than its zygote got at its start,
-    and the zygote moves into a cgroup of its own; all undone at exit (we are root)."""
+    and the zygote moves into a cgroup of its own; all undone at exit. What only root may
+    undo (a lower nice and oom_score_adj, groups, cgroups) is changed as root only."""
+    root = os.getuid() == 0
     with ExitStack() as undo:
         old_mask = os.umask(0o027)
         undo.callback(os.umask, old_mask)
-        nice = os.getpriority(os.PRIO_PROCESS, 0)
-        os.setpriority(os.PRIO_PROCESS, 0, nice + 3)
-        undo.callback(os.setpriority, os.PRIO_PROCESS, 0, nice)
+        if root:
+            nice = os.getpriority(os.PRIO_PROCESS, 0)
+            os.setpriority(os.PRIO_PROCESS, 0, nice + 3)
+            undo.callback(os.setpriority, os.PRIO_PROCESS, 0, nice)
         for name in ("RLIMIT_NOFILE", "RLIMIT_CORE"):
             which = getattr(resource, name)
             soft, hard = resource.getrlimit(which)
             new = 1000 if name == "RLIMIT_NOFILE" else 4096
             resource.setrlimit(which, (min(new, hard), hard))
             undo.callback(resource.setrlimit, which, (soft, hard))
-        oom = Path("/proc/self/oom_score_adj")
-        old_oom = oom.read_text().strip()
-        oom.write_text("123\n")
-        undo.callback(oom.write_text, f"{old_oom}\n")
+        if root:
+            oom = Path("/proc/self/oom_score_adj")
+            old_oom = oom.read_text().strip()
+            oom.write_text("123\n")
+            undo.callback(oom.write_text, f"{old_oom}\n")
         cpus = os.sched_getaffinity(0)
         if len(cpus) > 1:
             os.sched_setaffinity(0, {min(cpus)})
             undo.callback(os.sched_setaffinity, 0, cpus)
-        groups = os.getgroups()
-        os.setgroups([*groups, 4242])
-        undo.callback(os.setgroups, groups)
-        undo.enter_context(_zygote_in_own_cgroup(zygote_pid))
+        if root:
+            groups = os.getgroups()
+            os.setgroups([*groups, 4242])
+            undo.callback(os.setgroups, groups)
+            undo.enter_context(_zygote_in_own_cgroup(zygote_pid))
         yield
 
 
@@ -281,8 +287,13 @@ def test_a_warm_kernel_observes_what_a_fresh_one_does(lab: dict[str, Any],
                     obs["warm"].append(k.observe())
             finally:
                 k.close()
+        zygote_cgroup = Path(f"/proc/{zygote['pid']}/cgroup").read_text()
+    assert os.getuid() != 0 or f"olwf-{os.getpid()}" in zygote_cgroup, zygote_cgroup
     plain, warm = obs["plain"][0], obs["warm"][0]
-    assert plain["status"]["Umask"] == "0027" and plain["priority"] >= 3  # the setup took
+    assert plain["status"]["Umask"] == "0027"  # the setup took
+    if os.getuid() == 0:
+        assert plain["priority"] >= 3 and plain["oom_score_adj"] == "123"
+        assert "4242" in plain["status"]["Groups"].split()
     assert plain["tzname"] == ["IST", "IST"]
     differ = sorted(k for k in plain if plain[k] != warm[k])
     unexpected = {k: (plain[k], warm[k]) for k in differ if k not in INTENDED}
@@ -315,6 +326,14 @@ def test_a_warm_kernel_observes_what_a_fresh_one_does(lab: dict[str, Any],
         assert obs["plain"][0][draw] != obs["plain"][1][draw]
     assert len({o["hash"] for o in obs["warm"]}) == 1
     assert obs["plain"][0]["hash"] != obs["plain"][1]["hash"]
+
+
+def test_the_locale_at_start_picks_another_zygote() -> None:
+    """The locale variables fix the UTF-8 mode and the file system encoding at interpreter
+    start, so kernels that differ in them never share a zygote (``naming.py``)."""
+    for key in ("LANG", "LC_ALL", "LC_CTYPE"):
+        assert identity(sys.executable, {key: "C"}) != identity(sys.executable,
+                                                                {key: "C.UTF-8"})
 
 
 def test_kernel_status_lists_the_intended_differences(lab: dict[str, Any]) -> None:

@@ -8,17 +8,18 @@ normally (``atexit``, thread shutdown), as a fresh one would.
 
 What a fresh process has and a fork would not, set here in this order:
 
+- the server's umask, nice, limits, groups, cgroup and the rest of Note [Inherited
+  process attributes] (``inherit.py``), taken on first: a child that cannot exits, tells
+  the zygote why, and the launch is plain;
 - its own session (``setsid``), so a ``killpg`` of the kernel never reaches the zygote;
 - the given stdin/stdout/stderr, cwd and environment (``os.environ`` replaced, not
   merged; the C library's environment with it, so libraries that read ``getenv`` later
   see the kernel's values);
 - default signal dispositions and an empty signal mask (Python's own start-up choices:
-  ``SIGINT`` raises ``KeyboardInterrupt``, ``SIGPIPE`` and ``SIGXFSZ`` ignored);
+  ``SIGINT`` raises ``KeyboardInterrupt``, ``SIGPIPE`` and ``SIGXFSZ`` ignored; for
+  ipykernel, SIGINT is dropped until ipykernel ignores it: Note [Interrupted at birth]);
 - ``sys.path[0]`` = the cwd, as for ``-m``, and fresh import caches, so that the user's
   modules in the notebook's folder are found and read from disk now;
-- the server's umask, nice, limits, groups, cgroup and the rest of Note [Inherited
-  process attributes] (``inherit.py``), taken on first: a child that cannot exits and
-  the launch is plain;
 - the time zone of its own ``TZ`` (``time.tzset()``), and ``sys.orig_argv`` of its command;
 - new random state: ``random`` (CPython reseeds it at fork too), numpy's global
   ``RandomState`` and torch's default CPU generator, from the OS entropy pool, as a fresh
@@ -26,7 +27,8 @@ What a fresh process has and a fork would not, set here in this order:
 - no tqdm write lock shared with the zygote and its other kernels (Note [Library state
   across the fork] in ``zygote.py``);
 - the BLAS thread counts a fresh process gets (Note [BLAS threads] in ``zygote.py``):
-  measured once per zygote by a fresh interpreter and set here through threadpoolctl.
+  measured by a fresh interpreter once per zygote and CPU affinity (the pools are as
+  large as the CPUs a process may use) and set here through threadpoolctl.
   torch's own intra-op pool was never started in the zygote; it reads the kernel's
   ``OMP_NUM_THREADS`` when it starts, as in a fresh process.
 
@@ -42,7 +44,9 @@ code in the kernel sees the dispositions and the (empty) mask of a fresh kernel.
 
 Note [What a warm kernel does not share with a fresh one]: these differences are
 intended (a fork cannot avoid them) and ``overmind-lab kernel status`` lists them
-(:data:`INTENDED_DIFFERENCES`).
+(:data:`INTENDED_DIFFERENCES`, and the variables preloaded modules set at their import:
+Note [Environment set at import] in ``zygote.py``). ``tests/test_warm_kernel_fresh.py``
+compares everything else a program can observe with a plain kernel's.
 
 Note [Parent death]: ipykernel's parent poller watches ``getppid()``, which for a forked
 kernel is the zygote, not the Jupyter server. The zygote hands the child a pidfd of the
@@ -208,9 +212,11 @@ def _take_on_server_attributes(task: ChildTask) -> None:
     child took on the server's attributes; exit at once if it could not."""
     try:
         inherit.apply(task.inherit)
-    except inherit.NotApplicable as exc:
+    except Exception as exc:  # noqa: BLE001 - any failure: say why, the launch goes plain
+        why = str(exc) if isinstance(exc, inherit.NotApplicable) else (
+            f"the forked kernel failed to take on the server's attributes: {exc!r}")
         if task.ready_fd is not None:
-            os.write(task.ready_fd, str(exc).encode()[:4000])
+            os.write(task.ready_fd, why.encode()[:4000])
         os._exit(70)
     if task.ready_fd is not None:
         os.write(task.ready_fd, b"ok")

@@ -159,6 +159,15 @@ def request_fork(cmd: list[str], env: dict[str, str], cwd: str,
     return WarmKernel(pid, fds[0], chan)
 
 
+def _observe() -> dict[str, Any]:
+    if not sys.platform.startswith("linux"):
+        raise WarmUnavailable(f"warm kernels need Linux (this is {sys.platform})")
+    try:
+        return inherit.observe()
+    except (OSError, ValueError, KeyError) as exc:
+        raise WarmUnavailable(f"cannot read this server's process attributes: {exc}") from exc
+
+
 class WarmProvisioner(LocalProvisioner):
     """A ``LocalProvisioner`` whose kernels are forked from an overmind-lab zygote."""
 
@@ -175,10 +184,10 @@ class WarmProvisioner(LocalProvisioner):
         if watch_parent:
             env["JPY_PARENT_PID"] = str(os.getpid())  # as jupyter_client's launcher does
         t0 = time.perf_counter()
-        # Here, in the event loop's thread, which would fork a plain kernel: nice, CPU
-        # affinity and the scheduling policy are per thread.
-        attributes = inherit.observe()
         try:
+            # Here, in the event loop's thread, which would fork a plain kernel: nice, CPU
+            # affinity and the scheduling policy are per thread.
+            attributes = _observe()
             stdio = _stdio_fds(kwargs)
             try:
                 warm = await asyncio.to_thread(request_fork, cmd, env, cwd, stdio,

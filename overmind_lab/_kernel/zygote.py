@@ -363,7 +363,10 @@ def _refuse(state: _State, request: dict[str, Any]) -> str | None:
         return f"the zygote is stale: {stale}"
     wanted = request.get("inherit")
     if isinstance(wanted, dict) and wanted:
-        why = inherit.refusal(wanted)
+        try:
+            why = inherit.refusal(wanted)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            why = f"the request's process attributes are malformed ({exc!r})"
         if why:
             return why
     return fork_refusal()
