@@ -1,0 +1,215 @@
+"""Nothing stale, nothing corrupt: replaced sources, damaged segments, the budget, crashes.
+
+Real daemons on temporary sockets with their own cache directories (``sock_path``), real
+child processes that load through the cache, real files changed the way tools change them
+(``cp -p``/``rsync -a``: a new inode with the old size and mtime; a rewrite in place
+through a second hard link with the mtime set back; a bit flipped in a segment file).
+Note [File signatures] (client keys) and Note [Checks before a hit] (daemon store).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from overmind_lab import Client
+from tests.conftest import last_json, run_py
+from tests.test_disk_cache import (
+    HERE,
+    cache_dir,
+    kill_and_restart,
+    log_text,
+    segment_files,
+    sized_child,
+    wait_saved,
+)
+
+# A child that loads a safetensors file through the cache, by path (the key covers the
+# file), or by ``$OVERMIND_LAB_TEST_FILE`` (``load_named_file``: only the daemon's check of
+# the held file can tell that it changed).
+LOAD_FILE = """
+import json, sys
+sys.path.insert(0, {here!r})
+import overmind_lab
+from safetensors.torch import load_file
+from tests.loaders import load_named_file
+with overmind_lab.record_loads() as events:
+    if {by_path!r}:
+        sd = overmind_lab.load(load_file, {path!r})
+    else:
+        sd = overmind_lab.load(load_named_file, "weights")
+print(json.dumps({{"outcome": events[-1].outcome, **({{"reason": events[-1].reason}} if events[-1].outcome == "uncached" else {{}}),
+                  "sums": [float(sd[k].double().sum()) for k in sorted(sd)]}}))
+"""
+
+
+def load_file_child(path: Path, *, by_path: bool) -> dict[str, object]:
+    env = {**os.environ, "OVERMIND_LAB_TEST_FILE": str(path),
+           "OVERMIND_LAB_BACKGROUND_STORE": "never"}
+    code = LOAD_FILE.format(here=HERE, path=str(path), by_path=by_path)
+    return dict(last_json(run_py(code, env=env)))
+
+
+def save_weights(path: Path, value: float) -> Path:
+    """Two 512 KiB tensors of ``value``: same size for every value."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.full((128, 1024), value), "b": torch.full((128, 1024), value)},
+              str(path))
+    return path
+
+
+def sums(value: float) -> list[float]:
+    return [value * 128 * 1024] * 2
+
+
+def restore_times(path: Path, st: os.stat_result) -> None:
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def replace_keeping_size_and_mtime(weights: Path, value: float) -> None:
+    """What ``cp -p new weights`` or ``rsync -a`` leave: a new inode, same size, old mtime."""
+    old = weights.stat()
+    fresh = save_weights(weights.with_name("incoming.safetensors"), value)
+    restore_times(fresh, old)
+    os.rename(fresh, weights)
+    now = weights.stat()
+    assert (now.st_size, now.st_mtime_ns) == (old.st_size, old.st_mtime_ns)
+    assert now.st_ino != old.st_ino
+
+
+def rewrite_in_place_through_a_second_link(weights: Path, value: float) -> None:
+    """Same inode, same size, mtime set back: only the ctime moves."""
+    old = weights.stat()
+    alias = weights.with_name("alias.safetensors")
+    os.link(weights, alias)
+    fresh = save_weights(weights.with_name("incoming.safetensors"), value).read_bytes()
+    with open(alias, "r+b") as f:
+        f.write(fresh)
+    alias.unlink()
+    restore_times(weights, old)
+    now = weights.stat()
+    assert (now.st_ino, now.st_size, now.st_mtime_ns) == (old.st_ino, old.st_size,
+                                                         old.st_mtime_ns)
+
+
+@pytest.mark.parametrize("change", [replace_keeping_size_and_mtime,
+                                    rewrite_in_place_through_a_second_link])
+@pytest.mark.parametrize("by_path", [True, False], ids=["key", "daemon"])
+def test_a_source_changed_behind_its_timestamps_loads_fresh(
+        daemon: Client, tmp_path: Path, change: object, by_path: bool) -> None:
+    weights = save_weights(tmp_path / "w.safetensors", 1.0)
+    assert load_file_child(weights, by_path=by_path) == {"outcome": "cold", "sums": sums(1)}
+    wait_saved(daemon)
+    assert load_file_child(weights, by_path=by_path) == {"outcome": "warm", "sums": sums(1)}
+    change(weights, 2.0)  # type: ignore[operator]
+    assert load_file_child(weights, by_path=by_path) == {"outcome": "cold", "sums": sums(2)}
+    if not by_path:  # the key did not change: the daemon saw it, and says so once
+        assert log_text(daemon.path).count("dropped entry") == 1
+
+
+def test_a_source_changed_while_the_daemon_is_down_is_dropped(
+        daemon: Client, tmp_path: Path) -> None:
+    weights = save_weights(tmp_path / "w.safetensors", 1.0)
+    assert load_file_child(weights, by_path=False)["outcome"] == "cold"
+    wait_saved(daemon)
+    daemon.stop()
+    rewrite_in_place_through_a_second_link(weights, 3.0)
+    assert daemon.start()["entries"] == 0
+    assert "ctime_ns" in log_text(daemon.path)
+    assert load_file_child(weights, by_path=False) == {"outcome": "cold", "sums": sums(3)}
+
+
+# -- damaged segments on the live path ----------------------------------------------------
+def damage(path: Path, how: str) -> None:
+    path.chmod(0o600)
+    if how == "truncate":
+        os.truncate(path, path.stat().st_size // 2)
+    else:
+        with open(path, "r+b") as f:
+            f.seek(1000)
+            byte = f.read(1)
+            f.seek(1000)
+            f.write(bytes([byte[0] ^ 0x10]))
+    path.chmod(0o400)
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip"])
+def test_a_damaged_segment_of_the_running_daemon_is_dropped(daemon: Client, how: str) -> None:
+    nbytes = 256 * 1024
+    first = sized_child(nbytes, "d")
+    assert first["outcome"] == "cold"
+    wait_saved(daemon)
+    [seg] = segment_files()
+    damage(seg, how)
+    again = sized_child(nbytes, "d")
+    assert again == {"outcome": "cold", "sum": first["sum"]}  # dropped, loaded plainly
+    text = log_text(daemon.path)
+    assert text.count("dropped entry") == 1
+    assert ("truncated" in text) if how == "truncate" else ("its checksum" in text)
+    assert sized_child(nbytes, "d") == {"outcome": "warm", "sum": first["sum"]}  # re-stored
+
+
+def test_a_segment_damaged_while_the_daemon_is_down_is_checked_before_use(
+        daemon: Client) -> None:
+    first = sized_child(256 * 1024, "r")
+    wait_saved(daemon)
+    daemon.stop()
+    [seg] = segment_files()
+    damage(seg, "flip")
+    assert daemon.start()["entries"] == 1  # the trailer is fine: the data is not
+    assert sized_child(256 * 1024, "r") == {"outcome": "cold", "sum": first["sum"]}
+    assert "its checksum" in log_text(daemon.path)
+
+
+def test_an_untouched_segment_is_served_after_a_restart_and_checked_behind(
+        daemon: Client) -> None:
+    first = sized_child(256 * 1024, "u")
+    wait_saved(daemon)
+    kill_and_restart(daemon)
+    assert sized_child(256 * 1024, "u") == {"outcome": "warm", "sum": first["sum"]}
+    assert wait_saved(daemon)["entries"] == 1  # the background checksum passed
+
+
+# -- what an entry costs ------------------------------------------------------------------
+def test_held_source_files_count_in_the_budget(sock_path: Path, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [What an entry costs]: ``ls`` (``bytes + shared_bytes``), ``status``
+    (``cached_bytes``) and the budget count the same bytes, source files held included,
+    and what is cached stays within the budget."""
+    budget = 1_600_000  # one 1 MiB file and its small segment fit, two do not
+    monkeypatch.setenv("OVERMIND_LAB_BUDGET", str(budget))
+    client = Client()
+    assert client.start()["budget_bytes"] == budget
+    try:
+        for name in ("a", "b"):
+            weights = save_weights(tmp_path / f"{name}.safetensors", 1.0)
+            assert load_file_child(weights, by_path=True)["outcome"] == "cold"
+            status = wait_saved(client)
+            entries = client.entries()
+            assert status["cached_bytes"] <= budget
+            assert status["cached_bytes"] == sum(e["bytes"] + e["shared_bytes"]
+                                                 for e in entries)
+            assert all(e["bytes"] >= weights.stat().st_size for e in entries)
+        assert [e["source"] for e in entries] == [str(tmp_path / "b.safetensors")]
+    finally:
+        client.stop()
+
+
+# -- what an acknowledged store promises ----------------------------------------------------
+def test_a_store_is_durable_once_saved_and_never_half_there_before(daemon: Client) -> None:
+    """Note [What a store promises]: kill -9 right after the acknowledgement leaves the
+    entry whole or absent; once ``unsaved`` is 0 it is there."""
+    nbytes = 32 << 20
+    first = sized_child(nbytes, "k")
+    assert first["outcome"] == "cold"
+    kill_and_restart(daemon)  # right after the child got its answer: maybe not finished
+    after = sized_child(nbytes, "k")
+    assert after["sum"] == first["sum"] and after["outcome"] in ("warm", "cold")
+    assert list(cache_dir().glob("*.tmp")) == []
+    wait_saved(daemon)
+    kill_and_restart(daemon)
+    assert sized_child(nbytes, "k") == {"outcome": "warm", "sum": first["sum"]}
