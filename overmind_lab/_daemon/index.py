@@ -9,6 +9,16 @@ segment instead of copying it): segments are reference counted, and a segment is
 The budget counts what segments take where they live: disk bytes for files (data, padding
 and trailer), memory bytes for memfds.
 
+Note [What an entry costs]: one number per segment, ``footprint``: a segment file with its
+padding and trailer, a memfd's bytes, a held source file's size (its pages are what a
+warm load maps, in the page cache like a segment's). The budget (``reserve``: the new
+segment and the source files the store holds), ``status`` (``cached_bytes``: every
+segment once) and ``ls`` (``bytes``: the entry's own segments, the source files it holds
+included; ``shared_bytes``: segments of other entries it references) use it, so
+``cached_bytes`` is the sum of ``bytes`` over the entries, and never above the budget.
+Segments evicted while a process still maps them are not cached: they are reported
+apart (``evicted_mapped_bytes``).
+
 Note [Eviction and mappings]: closing the daemon's fd or deleting the file never breaks a
 process that maps the segment: the kernel keeps the pages until the last mapping goes.
 Such segments are remembered in ``evicted`` so that status can report memory that is

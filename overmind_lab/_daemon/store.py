@@ -24,6 +24,33 @@ index record is corrupt: truncated, torn by a crash before ``finish``, or overwr
 The data checksum is verified once per daemon lifetime before a file written by an
 earlier daemon is handed out (:meth:`Store.verify`).
 
+Note [Checks before a hit]: what the daemon checks before it hands a segment out, and
+what each check costs (measured on this 2-core machine, numbers in docs/internals.md):
+
+- every segment, every hit: one ``fstat`` of the descriptor (about 1 us). A file's size
+  must be the finished size (or, while it is finished, the stored one): a truncated or
+  extended file is dropped. Its identity (device, inode, size, mtime_ns, ctime_ns) must be
+  its *stamp*, the identity it had when its bytes were last known good (the writer done at
+  ``store``; the checksum written by ``finish``; a checksum passed since). Any write, by
+  any process, moves mtime and ctime, and user space cannot set a ctime back: a stamp
+  that moved means the checksum is read (crc32, about 1 GB/s per core) before the
+  segment is served, and a mismatch drops every entry that uses it, logged once, and the
+  load goes plain. A touch or chmod that changed no byte costs one checksum read.
+- a held source file (link tier): its descriptor's identity against the recorded one,
+  and the path's (device, inode) against the descriptor's (a file renamed over the path
+  is another file): two ``stat`` calls.
+- after a restart: a file whose identity is the stamp saved in the index was not written
+  since its checksum was taken; it is served at once, and its checksum read once in the
+  background (most recently used first, after ``SCRUB_DELAY``): the first warm load after
+  a restart does not read 1.7 GB first. A file without a matching stamp (copied, touched,
+  an index of an older daemon) is checksummed before its first use.
+
+What remains: a change below the file system (a bit flipped on the medium, a write to
+the block device by root) is found by the background checksum after a restart, not
+before a hit of the running daemon: the page cache serves what was written. And two
+writes within one timestamp tick of the writer's own last write, before ``store``, are
+one write to the stamp: the writer is the client that stores, whose bytes they are.
+
 The index file (``<cache dir>/index``) is a header ``magic, body length, crc32 of the
 body`` followed by a JSON body, written to ``index.tmp``, fsynced and renamed over the old
 one, then the directory is fsynced (write, fsync, rename: a crash leaves the old index or
