@@ -18,6 +18,10 @@ import pytest
 
 from overmind_lab import Client
 
+# Zygotes exit with their last owner in tests (Note [Idle zygote]: the default idle time
+# would keep every test's zygote alive for minutes); tests of the idle time set their own.
+os.environ.setdefault("OVERMIND_LAB_ZYGOTE_IDLE", "0")
+
 #: Every socket path a test used: the session-end check looks for daemons still serving one.
 _SOCKETS: list[Path] = []
 

@@ -27,7 +27,7 @@ def test_install_writes_a_kernelspec_that_selects_the_provisioner(tmp_path: Path
     assert spec_dir == tmp_path / "data" / "kernels" / "overmind-lab-warm"
     spec = json.loads((spec_dir / "kernel.json").read_text())
     assert spec["display_name"] == "Python 3 (warm, overmind-lab)"
-    assert spec["argv"] == [sys.executable, "-m", "ipykernel_launcher", "-f",
+    assert spec["argv"] == [sys.executable, "-m", "overmind_lab._kernel.launcher", "-f",
                             "{connection_file}"]
     assert spec["metadata"]["kernel_provisioner"]["provisioner_name"] == "overmind-lab-warm"
     assert spec["interrupt_mode"] == "signal"

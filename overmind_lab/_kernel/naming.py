@@ -25,7 +25,7 @@ from pathlib import Path
 from overmind_lab._common.naming import ensure_private_dir, runtime_dir, socket_path
 
 __all__ = ["IMPORT_ENV_PREFIXES", "import_env", "environment", "identity", "zygote_dir",
-           "ZygotePaths"]
+           "ZygotePaths", "ZYGOTE_IDLE_ENV", "zygote_idle_seconds"]
 
 #: Environment variables (by prefix) that can change what an import does or which threads
 #: and devices it sets up. Kernels whose values differ never share a zygote.
@@ -41,10 +41,29 @@ IMPORT_ENV_PREFIXES = (
 #: Set by overmind-lab itself in the zygote only; never part of the identity.
 ZYGOTE_ONLY_ENV = ("OPENBLAS_NUM_THREADS", "PYTORCH_NVML_BASED_CUDA_CHECK")
 
+#: Note [Idle zygote]: how long (seconds) a zygote with no owner and no kernel left stays,
+#: so that a next run (nbconvert, papermill, a VS Code launcher) is forked, not plain.
+ZYGOTE_IDLE_ENV = "OVERMIND_LAB_ZYGOTE_IDLE"
+DEFAULT_ZYGOTE_IDLE_S = 300.0
+#: Settings of the zygote's own life, not of what imports do: never part of the identity.
+_NOT_IMPORT_ENV = frozenset({ZYGOTE_IDLE_ENV})
+
+
+def zygote_idle_seconds(env: Mapping[str, str] | None = None) -> float:
+    """``$OVERMIND_LAB_ZYGOTE_IDLE`` in seconds (``0``: exit with the last owner), else
+    :data:`DEFAULT_ZYGOTE_IDLE_S`."""
+    value = (os.environ if env is None else env).get(ZYGOTE_IDLE_ENV, "")
+    try:
+        seconds = float(value)
+    except ValueError:
+        return DEFAULT_ZYGOTE_IDLE_S
+    return seconds if seconds >= 0 else DEFAULT_ZYGOTE_IDLE_S
+
 
 def import_env(env: Mapping[str, str]) -> dict[str, str]:
     """The part of ``env`` that matters to imports."""
-    return {k: v for k, v in sorted(env.items()) if k.startswith(IMPORT_ENV_PREFIXES)}
+    return {k: v for k, v in sorted(env.items())
+            if k.startswith(IMPORT_ENV_PREFIXES) and k not in _NOT_IMPORT_ENV}
 
 
 def environment(interpreter: str) -> str:

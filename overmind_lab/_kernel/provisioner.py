@@ -33,6 +33,7 @@ from jupyter_client.provisioning.local_provisioner import LocalProvisioner
 from overmind_lab._common.protocol import Channel
 from overmind_lab._errors import OvermindError
 from overmind_lab._kernel import inherit
+from overmind_lab._kernel.launcher import kernel_argv
 
 __all__ = ["WarmProvisioner", "WarmUnavailable", "request_fork"]
 
@@ -178,6 +179,7 @@ class WarmProvisioner(LocalProvisioner):
         return self.warm is not None or self.process is not None
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
+        cmd = kernel_argv(cmd)  # the kernelspec runs launcher.py where no provisioner does
         env = dict(kwargs.get("env") or os.environ)
         cwd = str(kwargs.get("cwd") or os.getcwd())
         watch_parent = not kwargs.get("independent", False)

@@ -1,7 +1,9 @@
 """``overmind-lab kernel install|status|uninstall|restart-zygote``.
 
-``install`` writes a kernelspec (``python -m ipykernel_launcher -f {connection_file}``
-with this interpreter) whose metadata selects the ``overmind-lab-warm`` provisioner.
+``install`` writes a kernelspec whose metadata selects the ``overmind-lab-warm``
+provisioner (Jupyter) and whose argv, ``python -m overmind_lab._kernel.launcher -f
+{connection_file}`` with this interpreter, is warm too where a frontend runs it itself
+without provisioners (VS Code: ``launcher.py``).
 ``status`` and ``restart-zygote`` talk to the zygotes in the zygote directory that this
 Python environment made (Note [Environments share an interpreter] in ``naming.py``): two
 environments whose sockets share a directory never list or replace each other's.
@@ -20,6 +22,7 @@ from typing import Any
 
 from overmind_lab._common.protocol import Channel
 from overmind_lab._extras import require
+from overmind_lab._kernel.launcher import MODULE as LAUNCHER
 from overmind_lab._kernel.naming import environment, zygote_dir
 
 __all__ = ["DEFAULT_NAME", "DISPLAY_NAME", "kernel_json", "install", "uninstall",
@@ -33,7 +36,7 @@ PROVISIONER = "overmind-lab-warm"
 def kernel_json(display_name: str = DISPLAY_NAME, env: dict[str, str] | None = None,
                 python: str = sys.executable) -> dict[str, Any]:
     spec: dict[str, Any] = {
-        "argv": [python, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "argv": [python, "-m", LAUNCHER, "-f", "{connection_file}"],
         "display_name": display_name,
         "language": "python",
         "interrupt_mode": "signal",

@@ -47,7 +47,12 @@ from typing import Any
 from overmind_lab._common.protocol import Channel, bind_private
 from overmind_lab._kernel import inherit, preload
 from overmind_lab._kernel.child import INTENDED_DIFFERENCES
-from overmind_lab._kernel.naming import ZYGOTE_ONLY_ENV, ZygotePaths, identity
+from overmind_lab._kernel.naming import (
+    ZYGOTE_ONLY_ENV,
+    ZygotePaths,
+    identity,
+    zygote_idle_seconds,
+)
 
 __all__ = ["ChildTask", "serve", "spawn", "fork_refusal", "main"]
 
@@ -585,13 +590,22 @@ def _replaced(state: _State) -> bool:
 
 
 def _loop(state: _State) -> ChildTask | None:
+    idle_since: float | None = None
     while True:
         if state.retiring is None and _replaced(state):
             state.retiring = "replaced by a newer zygote"
         if state.retiring and not state.children:
             return None
-        if not state.owners and not state.children:
-            log.info("no Jupyter server uses this zygote any more; exiting")
+        # Note [Idle zygote]: with no owner and no kernel left, it stays for the idle time
+        # (OVERMIND_LAB_ZYGOTE_IDLE), so that the next run (nbconvert, papermill, a VS Code
+        # launcher) is forked; a new owner or kernel resets the clock.
+        if state.owners or state.children:
+            idle_since = None
+        elif idle_since is None:
+            idle_since = time.monotonic()
+        if idle_since is not None and time.monotonic() - idle_since >= zygote_idle_seconds():
+            log.info("no owner and no kernel for %.0f s; exiting",
+                     time.monotonic() - idle_since)
             return None
         poller = select.poll()
         if not state.retiring:

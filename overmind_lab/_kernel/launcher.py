@@ -1,0 +1,129 @@
+"""``python -m overmind_lab._kernel.launcher -f CONNECTION_FILE``: the warm kernelspec's argv.
+
+Jupyter starts the warm kernelspec through its provisioner (``provisioner.py``), which
+turns this command back into ``python -m ipykernel_launcher ...`` (:func:`kernel_argv`)
+and asks the zygote itself. Frontends that run a kernelspec's argv as it stands, without
+jupyter_client's provisioners (VS Code's Jupyter extension, scripts), run this module,
+which does the same from inside the kernel's process slot:
+
+- it asks the zygote of this interpreter and environment to fork ``ipykernel_launcher``
+  with its own argv, environment, working directory and stdin/stdout/stderr, and stays
+  as the kernel's stand-in: the process the frontend started, watches and signals;
+- SIGINT (a frontend's interrupt) and SIGTERM (its shutdown) go on to the kernel, as the
+  provisioner sends them;
+- it exits with the kernel's exit status (a kernel ended by a signal ends it by the same
+  signal);
+- if it is killed, even by SIGKILL, the kernel exits within a second: the fork request
+  asks the zygote to give the kernel a pidfd of its requester (Note [Parent death] in
+  ``child.py``);
+- if no zygote can serve (none runs yet, which starts one for the next launch; a stale
+  one; not Linux), it ``exec``\\s a plain ``python -m ipykernel_launcher`` with the same
+  arguments in its own place, and says why in one line on stderr.
+
+Note [Launcher in a forked kernel]: a kernel forked by the zygote for the provisioner
+runs ``ipykernel_launcher`` directly; if one ever runs this module (a provisioner that
+passed the command unchanged), it runs ``ipykernel_launcher`` in place instead of asking
+the zygote again.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import sys
+from typing import Any, NoReturn
+
+__all__ = ["MODULE", "kernel_argv", "main"]
+
+MODULE = "overmind_lab._kernel.launcher"
+_KERNEL_MODULE = "ipykernel_launcher"
+#: Signals a frontend sends to the kernel it started, forwarded to the forked kernel.
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+              signal.SIGUSR2)
+
+
+def kernel_argv(argv: list[str]) -> list[str]:
+    """The kernel's own command for a launcher command (``python -m MODULE ARGS`` ->
+    ``python -m ipykernel_launcher ARGS``); any other command as it is."""
+    if len(argv) >= 3 and argv[1] == "-m" and argv[2] == MODULE:
+        return [argv[0], "-m", _KERNEL_MODULE, *argv[3:]]
+    return list(argv)
+
+
+def _exec_plain(args: list[str], why: str | None) -> NoReturn:
+    if why:
+        print(f"overmind-lab: launching a plain kernel: {why}", file=sys.stderr, flush=True)
+    os.execv(sys.executable, [sys.executable, "-m", _KERNEL_MODULE, *args])
+
+
+def _run_in_place(args: list[str]) -> None:
+    import runpy
+
+    sys.argv = [sys.argv[0], *args]
+    runpy.run_module(_KERNEL_MODULE, run_name="__main__", alter_sys=True)
+
+
+def _fork(args: list[str]) -> Any:
+    """The forked kernel (``provisioner.WarmKernel``); raises ``WarmUnavailable``."""
+    from overmind_lab._kernel import inherit
+    from overmind_lab._kernel.provisioner import WarmUnavailable, request_fork
+
+    cmd = [sys.executable, "-m", _KERNEL_MODULE, *args]
+    env = dict(os.environ)
+    env["JPY_PARENT_PID"] = str(os.getpid())  # the stand-in is the kernel's parent
+    try:
+        attributes = inherit.observe()
+    except (OSError, ValueError, KeyError) as exc:
+        raise WarmUnavailable(f"cannot read this process's attributes: {exc}") from exc
+    stdio = [os.dup(0), os.dup(1), os.dup(2)]
+    try:
+        return request_fork(cmd, env, os.getcwd(), stdio, True, attributes)
+    finally:
+        for fd in stdio:
+            os.close(fd)
+
+
+def _stand_in(kernel: Any) -> int:
+    """Forward signals to ``kernel`` until it exits; its exit status."""
+    def forward(signum: int, _frame: object) -> None:
+        kernel.signal(signum)
+
+    for signum in _FORWARDED:
+        signal.signal(signum, forward)
+    poller = select.poll()
+    poller.register(kernel.pidfd, select.POLLIN)
+    while not poller.poll():  # a forwarded signal interrupts the wait; PEP 475 resumes it
+        pass
+    code = kernel.returncode()
+    kernel.close()
+    return int(code if code is not None else -1)
+
+
+def _exit_like(code: int) -> NoReturn:
+    """Exit with ``code``; a kernel a signal ended (``-N``) ends this process by signal N."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code < 0 and -code in signal.valid_signals():
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        code = 128 - code
+    os._exit(code & 0xFF if code >= 0 else 1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "overmind_lab._kernel.child" in sys.modules:  # Note [Launcher in a forked kernel]
+        _run_in_place(args)
+        return
+    if not sys.platform.startswith("linux"):
+        _exec_plain(args, f"warm kernels need Linux (this is {sys.platform})")
+    try:
+        kernel = _fork(args)
+    except Exception as exc:  # noqa: BLE001 - Note [Never worse than plain] (provisioner)
+        _exec_plain(args, str(exc))
+    _exit_like(_stand_in(kernel))
+
+
+if __name__ == "__main__":
+    main()
