@@ -104,12 +104,16 @@ export function speedup(
   return cold / warm;
 }
 
-/** `110.4 -> '110×'`, `3.14 -> '3.1×'`. */
+/** `110.4 -> '110×'`, `3.14 -> '3.1×'`; a warm load slower than the cold one keeps two
+ * significant digits (`0.033 -> '0.033×'`), never `'0×'`, as the CLI does. */
 export function formatSpeedup(factor: number | null): string {
   if (factor === null || !Number.isFinite(factor)) {
     return '–';
   }
-  return factor >= 10 ? `${Math.round(factor)}×` : `${Number(factor.toFixed(1))}×`;
+  if (factor >= 10) {
+    return `${Math.round(factor)}×`;
+  }
+  return factor >= 1 ? `${Number(factor.toFixed(1))}×` : `${Number(factor.toPrecision(2))}×`;
 }
 
 /** Widths (0..1) of the cold and warm bars of an entry's timing bar. */

@@ -101,6 +101,8 @@ describe('speed-up', () => {
     expect(formatSpeedup(110.4)).toBe('110×');
     expect(formatSpeedup(3.14)).toBe('3.1×');
     expect(formatSpeedup(2)).toBe('2×');
+    expect(formatSpeedup(0.25)).toBe('0.25×'); // a warm load slower than the cold one
+    expect(formatSpeedup(0.0333)).toBe('0.033×');
     expect(formatSpeedup(null)).toBe('–');
   });
 });
