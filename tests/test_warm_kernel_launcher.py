@@ -180,7 +180,10 @@ def test_the_kernelspec_argv_gives_a_forked_kernel(launched: Launched) -> None:
 
 def test_sigint_to_the_launcher_interrupts_a_running_cell(launched: Launched) -> None:
     kc = launched.kc
-    msg_id = kc.execute("import time\nfor _ in range(600): time.sleep(0.1)\nprint('done')")
+    # stop_on_error=False: ipykernel would abort the next request for a while after the
+    # KeyboardInterrupt (its stop-on-error window), which is not what is tested here.
+    msg_id = kc.execute("import time\nfor _ in range(600): time.sleep(0.1)\nprint('done')",
+                        stop_on_error=False)
     while True:  # the cell runs once its execute_input is published
         msg = kc.get_iopub_msg(timeout=60)
         if (msg["parent_header"].get("msg_id") == msg_id
@@ -254,19 +257,24 @@ def test_nbconvert_execute_twice_is_warm_the_second_time(run_dir: Path) -> None:
     nb = home / "probe.ipynb"
     nb.write_text(json.dumps(NOTEBOOK))
 
-    def execute(run: int) -> tuple[bool, bool]:
-        subprocess.run([sys.executable, "-m", "nbconvert", "--to", "notebook", "--execute",
-                        str(nb), "--output", f"out{run}.ipynb"], env=env, cwd=home,
-                       check=True, timeout=300, capture_output=True)
+    def execute(run: int) -> tuple[bool, bool, str]:
+        """(torch, colorsys) imported at the first cell, and what nbconvert logged."""
+        proc = subprocess.run([sys.executable, "-m", "nbconvert", "--to", "notebook",
+                               "--execute", str(nb), "--output", f"out{run}.ipynb"], env=env,
+                              cwd=home, check=True, timeout=300, capture_output=True,
+                              text=True)
         cell = json.loads((home / f"out{run}.ipynb").read_text())["cells"][0]
         text = "".join("".join(o.get("text", "")) for o in cell["outputs"])  # str or lines
         _pid, torch, colorsys = text.split()
-        return torch == "True", colorsys == "True"
+        return torch == "True", colorsys == "True", proc.stderr
 
     try:
-        assert execute(1) == (False, False)  # plain: no zygote yet; it starts one
+        *first, log = execute(1)
+        assert first == [False, False], log  # plain: no zygote yet; it starts one
+        assert "launching a plain kernel: no zygote was running" in log
         sock = ZygotePaths.for_launch(sys.executable, env).socket
         _wait_until(sock.exists, "the zygote the first run started")
-        assert execute(2) == (True, True)  # forked: the zygote outlived the first run
+        *second, log = execute(2)
+        assert second == [True, True], log  # forked: the zygote outlived the first run
     finally:
         _kill_all(home)
