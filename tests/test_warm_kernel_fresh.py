@@ -126,6 +126,21 @@ print(json.dumps(obs))
 INTENDED = {"ppid", "cmdline", "hash", "random", "numpy", "torch", "fds", "thread_names"}
 
 
+def _differences(plain: dict[str, Any], warm: dict[str, Any]) -> dict[str, Any]:
+    """What differs, but for INTENDED: (plain, warm), or per key for a dictionary."""
+    out: dict[str, Any] = {}
+    for key in sorted(set(plain) | set(warm)):
+        a, b = plain.get(key), warm.get(key)
+        if a == b or key in INTENDED:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            out[key] = {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
+                        if a.get(k) != b.get(k)}
+        else:
+            out[key] = (a, b)
+    return out
+
+
 class Kernel:
     """A kernel of ``name`` through jupyter_client, its log lines and its stderr file."""
 
@@ -187,14 +202,17 @@ def lab() -> Iterator[dict[str, Any]]:
         mp = pytest.MonkeyPatch()
         try:
             mp.setenv("OVERMIND_LAB_SOCKET", f"{d}/d.sock")
-            mp.setenv("OVERMIND_LAB_PRELOAD", PRELOAD)
+            # debugpy, as warm kernels learn it (ipykernel imports it as it starts): its
+            # import sets PYDEVD_USE_FRAME_EVAL (Note [Environment set at import])
+            mp.setenv("OVERMIND_LAB_PRELOAD", PRELOAD + ",debugpy")
             mp.setenv("JUPYTER_PATH", f"{d}/prefix/share/jupyter")
             mp.setenv("JUPYTER_RUNTIME_DIR", f"{d}/runtime")
             spec.install(prefix=f"{d}/prefix", env=SPEC_ENV)
             from jupyter_client.kernelspec import KernelSpecManager
 
-            plain = spec.kernel_json("Python 3 (plain)", SPEC_ENV)
-            del plain["metadata"]["kernel_provisioner"]
+            plain = {"argv": [sys.executable, "-m", "ipykernel_launcher", "-f",
+                              "{connection_file}"], "display_name": "Python 3 (plain)",
+                     "language": "python", "interrupt_mode": "signal", "env": SPEC_ENV}
             Path(d, "plain").mkdir()
             Path(d, "plain", "kernel.json").write_text(json.dumps(plain))
             KernelSpecManager().install_kernel_spec(f"{d}/plain", kernel_name=PLAIN,
@@ -295,8 +313,7 @@ def test_a_warm_kernel_observes_what_a_fresh_one_does(lab: dict[str, Any],
         assert plain["priority"] >= 3 and plain["oom_score_adj"] == "123"
         assert "4242" in plain["status"]["Groups"].split()
     assert plain["tzname"] == ["IST", "IST"]
-    differ = sorted(k for k in plain if plain[k] != warm[k])
-    unexpected = {k: (plain[k], warm[k]) for k in differ if k not in INTENDED}
+    unexpected = _differences(plain, warm)
     assert not unexpected, json.dumps(unexpected, indent=1)
     for other in obs["warm"][1:]:
         assert {k for k in plain if plain[k] != other[k]} <= INTENDED
@@ -312,6 +329,7 @@ def test_a_warm_kernel_observes_what_a_fresh_one_does(lab: dict[str, Any],
     assert (set(warm["thread_names"]) ^ set(plain["thread_names"])) <= {
         "overmind-lab-parent-watch", "Thread-N"}, (warm["thread_names"], plain["thread_names"])
     assert warm["environ"] == plain["environ"]
+    assert warm["environ"].get("PYDEVD_USE_FRAME_EVAL") == "NO"
     assert warm["environ_after_imports"] == plain["environ_after_imports"]
     differences = "\n".join(status["differences"])
     for what in ("parent pid", "cmdline", "hash seed", "pidfd", "parent-watch"):
@@ -432,3 +450,25 @@ def test_restarting_twice_quickly_prints_no_keyboard_interrupt(
         k.close()
     assert "KeyboardInterrupt" not in err.read_text(), err.read_text()[-3000:]
 
+
+
+
+def test_with_the_zygotes_own_attributes_too(lab: dict[str, Any], tmp_path: Path) -> None:
+    """The same comparison where nothing changed since the zygote started (its own CPU
+    affinity: numpy's BLAS pool, sized in the child, against a fresh kernel's)."""
+    obs = {}
+    for kind, name in (("plain", PLAIN), ("warm", spec.DEFAULT_NAME)):
+        k = Kernel(name, str(tmp_path), lab["env"], tmp_path / "kernels.err")
+        try:
+            assert k.warm == (kind == "warm"), k.log_text()
+            obs[kind] = k.observe()
+        finally:
+            k.close()
+    plain, warm = obs["plain"], obs["warm"]
+    assert plain["ppid"] == os.getpid() and warm["ppid"] != os.getpid()
+    # the pool: at start, a warm kernel's threads are a fresh one's after `import numpy`
+    assert warm["comm"] == plain["comm_after_imports"] == warm["comm_after_imports"]
+    unexpected = {k: v for k, v in _differences(plain, warm).items()
+                  if k not in ("comm", "threads")}
+    assert not unexpected, json.dumps(unexpected, indent=1)
+    assert "BLAS thread pool" in "\n".join(ready_zygote(lab["dir"])["differences"])

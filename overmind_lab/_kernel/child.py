@@ -89,6 +89,8 @@ INTENDED_DIFFERENCES = (
     "one extra descriptor, a pidfd of the Jupyter server, and a thread "
     "'overmind-lab-parent-watch' in place of ipykernel's parent poller",
     "modules imported by the zygote are already in sys.modules",
+    "a preloaded numpy's BLAS thread pool (sized for the kernel: Note [BLAS threads]) runs "
+    "from the start; a fresh kernel starts it when it imports numpy",
 )
 
 #: Modules whose start-up ignores SIGINT once ready (Note [Interrupted at birth]).
@@ -113,9 +115,11 @@ def _reset_signals(ipykernel: bool = False) -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
 
 
-def _replace_environ(env: dict[str, str]) -> None:
+def _replace_environ(env: dict[str, str], start_env: dict[str, str]) -> None:
     os.environ.clear()
     os.environ.update(env)
+    for key, value in start_env.items():  # Note [Environment set at import] (zygote.py)
+        os.environ.setdefault(key, value)
 
 
 def _reseed() -> None:
@@ -234,7 +238,7 @@ def become(task: ChildTask) -> None:
     _reset_signals(ipykernel=task.argv[2] in _IPYKERNEL_MAINS
                    and "ipykernel.kernelapp" in sys.modules)
     os.chdir(task.cwd)
-    _replace_environ(task.env)
+    _replace_environ(task.env, task.start_env)
     time.tzset()
     logging.root.handlers.clear()
     logging.root.setLevel(logging.WARNING)

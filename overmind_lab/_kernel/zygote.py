@@ -92,6 +92,9 @@ class ChildTask:
     inherit: dict[str, Any] = field(default_factory=dict)
     #: Where the child says "ok" or why it cannot take them on; the zygote waits for it.
     ready_fd: int | None = None
+    #: Set at start if the kernel's environment lacks them (Note [Environment set at
+    #: import]).
+    start_env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -113,6 +116,7 @@ class _State:
     thread_targets: dict[str, int]
     import_env: dict[str, str]
     cpus: tuple[int, ...] = ()  # the affinity thread_targets were probed with
+    start_env: dict[str, str] = field(default_factory=dict)  # Note [Environment set ...]
     targets_by_cpus: dict[tuple[int, ...], dict[str, int]] = field(default_factory=dict)
     owners: dict[int, int] = field(default_factory=dict)      # pid -> pidfd
     children: dict[int, _Child] = field(default_factory=dict)  # pidfd -> child
@@ -252,13 +256,26 @@ def wanted_modules(paths: ZygotePaths) -> list[str]:
     return [*first, *preload.read_learned(paths.learned)]
 
 
-def _do_preload(paths: ZygotePaths) -> tuple[list[str], list[str]]:
+#: The packages ``python -m ipykernel_launcher`` imports while it starts (Note [Environment
+#: set at import]).
+KERNEL_START_PACKAGES = frozenset({
+    "ipykernel", "ipykernel_launcher", "IPython", "debugpy", "jupyter_client", "jupyter_core",
+    "zmq", "tornado", "traitlets", "comm"})
+
+
+def _do_preload(paths: ZygotePaths, start_env: dict[str, str] | None = None
+                ) -> tuple[list[str], list[str]]:
+    """Import the preload set; the variables the kernel's own packages set while they
+    were imported go into ``start_env``."""
     failed: list[str] = []
     for name in wanted_modules(paths):
         if name == "overmind_lab":
             preload.preload_overmind()
             continue
+        before = dict(os.environ)
         why = preload.import_third_party(name)
+        if start_env is not None and name.partition(".")[0] in KERNEL_START_PACKAGES:
+            start_env.update({k: v for k, v in os.environ.items() if k not in before})
         if why:
             failed.append(why)
         elif name not in sys.modules:  # replaced itself, or a lazy alias
@@ -289,13 +306,17 @@ def boot(paths: ZygotePaths, owners: list[int]) -> _State | None:
         probe = _probe_threads(user_env(dict(os.environ)))
         listener, tmp = _bind(paths)
         before = dict(os.environ)
-        preloaded, failed = _do_preload(paths)
+        start_env: dict[str, str] = {}
+        preloaded, failed = _do_preload(paths, start_env)
         # Note [Environment set at import]: a module may set a variable when imported
-        # (threadpoolctl: ``KMP_DUPLICATE_LIB_OK``). A kernel's environment is its own,
-        # as a fresh kernel's is at start, so it lacks them, where a fresh kernel has them
-        # once it imported the same module (which a warm kernel never imports again).
-        # Listed in ``status``.
-        import_env = {k: v for k, v in os.environ.items() if k not in before}
+        # (debugpy: ``PYDEVD_USE_FRAME_EVAL``, threadpoolctl: ``KMP_DUPLICATE_LIB_OK``),
+        # which a fresh kernel has once it imported that module; a warm kernel never
+        # imports it again, and its environment replaces the zygote's. Those that the
+        # kernel's own packages set (KERNEL_START_PACKAGES: imported by every kernel as
+        # it starts) the child sets again at start; the others stay unset, and ``status``
+        # lists them.
+        import_env = {k: v for k, v in os.environ.items()
+                      if k not in before and k not in start_env}
         _stop_library_threads()
         out, _ = probe.communicate(timeout=120)
         import json
@@ -310,7 +331,7 @@ def boot(paths: ZygotePaths, owners: list[int]) -> _State | None:
         refusal = fork_refusal()
         os.rename(tmp, paths.socket)  # Note [Replacing a zygote]
         state = _State(paths, listener, os.stat(paths.socket).st_ino, snap, preloaded,
-                       failed, refusal, targets, import_env, cpus)
+                       failed, refusal, targets, import_env, cpus, start_env)
         for pid in owners:
             _add_owner(state, pid)
         log.info("zygote %d ready in %.1f s: %d modules, %d files watched%s", os.getpid(),
@@ -421,7 +442,7 @@ def _handle_fork(state: _State, conn: socket.socket, chan: Channel,
         cwd=str(request.get("cwd") or os.getcwd()), stdio=fds, parent_pidfd=parent_pidfd,
         thread_targets=_targets_for(state, task_inherit), learned_path=state.paths.learned,
         preloaded=frozenset(state.preloaded),
-        inherit=task_inherit, ready_fd=ready_w)
+        inherit=task_inherit, ready_fd=ready_w, start_env=state.start_env)
     # Note [Interrupted at birth] in child.py: the child unblocks SIGINT when its handler
     # for the start-up is in place.
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
