@@ -54,6 +54,9 @@ def kernel_argv(argv: list[str]) -> list[str]:
 def _exec_plain(args: list[str], why: str | None) -> NoReturn:
     if why:
         print(f"overmind-lab: launching a plain kernel: {why}", file=sys.stderr, flush=True)
+    # An ignored signal stays ignored across exec, and Python installs its SIGINT handler
+    # (KeyboardInterrupt) only where SIGINT is not ignored: the kernel gets the default.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     os.execv(sys.executable, [sys.executable, "-m", _KERNEL_MODULE, *args])
 
 
@@ -118,6 +121,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not sys.platform.startswith("linux"):
         _exec_plain(args, f"warm kernels need Linux (this is {sys.platform})")
+    # A frontend's interrupt while the kernel is being forked has no cell to interrupt yet
+    # (as for a kernel still starting): it must not end the launcher.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         kernel = _fork(args)
     except Exception as exc:  # noqa: BLE001 - Note [Never worse than plain] (provisioner)
