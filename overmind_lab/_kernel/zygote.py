@@ -14,10 +14,13 @@ It stays single-threaded: no asyncio, one ``poll`` loop over the listening socke
 connections and pidfds (children, owners). It never does tensor work, never starts a
 thread pool, CUDA or zmq, and checks that before every fork (:func:`fork_refusal`).
 
-Note [Owners]: a zygote lives as long as some Jupyter server (an *owner*) that asked it
-for kernels lives. It watches each owner through a pidfd and exits when the last one is
-gone, so a SIGKILLed server leaves no zygote behind; its kernels exit on their own
-(Note [Parent death] in ``child.py``).
+Note [Owners]: a zygote lives as long as some *owner* (a Jupyter server, or a kernelspec
+launcher, that asked it for kernels) or one of its kernels lives, and then for the idle
+time (Note [Idle zygote]: ``$OVERMIND_LAB_ZYGOTE_IDLE``, default 300 s, ``naming.py``), so
+that nbconvert or papermill in a loop is warm from its second run. It watches each owner
+through a pidfd; a SIGKILLed server leaves its zygote for the idle time only (none with
+``OVERMIND_LAB_ZYGOTE_IDLE=0``), and its kernels exit on their own (Note [Parent death]
+in ``child.py``).
 
 Note [Replacing a zygote]: a zygote binds a temporary socket name, imports, and only then
 renames the socket over the public name, so the old zygote keeps serving until the new
