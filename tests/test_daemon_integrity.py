@@ -165,6 +165,19 @@ def test_a_segment_damaged_while_the_daemon_is_down_is_checked_before_use(
     assert "its checksum" in log_text(daemon.path)
 
 
+def test_an_unchecked_segment_stays_unchecked_across_another_restart(daemon: Client) -> None:
+    """A daemon that stops before it checked a moved file must not save it as good."""
+    first = sized_child(256 * 1024, "q")
+    wait_saved(daemon)
+    daemon.stop()
+    damage(segment_files()[0], "flip")
+    daemon.start()
+    daemon.stop()  # saves the index again, before any hit or background check
+    daemon.start()
+    assert sized_child(256 * 1024, "q") == {"outcome": "cold", "sum": first["sum"]}
+    assert "its checksum" in log_text(daemon.path)
+
+
 def test_an_untouched_segment_is_served_after_a_restart_and_checked_behind(
         daemon: Client) -> None:
     first = sized_child(256 * 1024, "u")

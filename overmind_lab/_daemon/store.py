@@ -587,9 +587,10 @@ class Store:
         except BaseException:
             os.close(fd)
             raise
-        untouched = record.get("stamp") == identity(st)
-        return Segment(sid, fd, size, "file", crc=crc, persisted=True, verified=untouched,
-                       scrubbed=False, stamp=identity(st))
+        # An unchecked file gets no stamp: saved again before its check, it stays unchecked.
+        stamp = identity(st) if record.get("stamp") == identity(st) else None
+        return Segment(sid, fd, size, "file", crc=crc, persisted=True,
+                       verified=stamp is not None, scrubbed=False, stamp=stamp)
 
     def _open_link(self, record: dict[str, Any]) -> Segment:
         sid, source = str(record["id"]), record.get("source")
