@@ -25,7 +25,14 @@ The data checksum is verified once per daemon lifetime before a file written by 
 earlier daemon is handed out (:meth:`Store.verify`).
 
 Note [Checks before a hit]: what the daemon checks before it hands a segment out, and
-what each check costs (measured on this 2-core machine, numbers in docs/internals.md):
+what each check costs. Measured on a shared 2-core machine (2026-12-05): ``check`` of a
+segment file 3.8 us, of a held source file 7.9 us, the cache directory's place 3.7 us; a
+lookup hit's round trip, old daemon against this one, interleaved, 400 each: median 302
+against 287 us (noise is larger than the checks). zlib's crc32 reads 0.84 GB/s, so a full
+check of an fp16 SD UNet's 1.7 GB segment takes about 2 s: that is what the first warm load
+after a restart used to wait for (0.7x a plain load). Now, with the checksum behind: the
+first warm fp32 -> fp16 UNet load after a restart took 21, 27 and 24 ms in three restarts,
+the next one 22-47 ms (plain load 5.4 s).
 
 - every segment, every hit: one ``fstat`` of the descriptor (about 1 us). A file's size
   must be the finished size (or, while it is finished, the stored one): a truncated or
