@@ -179,7 +179,7 @@ def test_a_changed_source_is_dropped_with_a_reason(daemon: Client, tmp_path: Pat
     os.utime(weights, ns=(time.time_ns(), time.time_ns()))
     assert daemon.start()["entries"] == 0
     text = log_text(daemon.path)
-    # The weights were referenced through a hard link: the link's (size, mtime) changed.
+    # The weights file is held by the daemon: its mtime (and ctime) changed.
     assert "dropped a saved entry" in text and f"the source file {weights} was changed" in text
     assert segment_files() == []
 
