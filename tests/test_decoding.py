@@ -95,7 +95,8 @@ def test_an_interrupted_build_leaves_nothing_that_looks_built(tmp_path: Path) ->
     assert decoding._build_one(path, spec, write) == path  # found finished: not rebuilt
     assert len(calls) == 1 and not (tmp_path / ".m.partial").exists()
     assert (path / "weights").read_text() == "whole"
-    assert decoding.read_marker(path) == {"spec": spec, "seconds": 0.0}
+    assert decoding.read_marker(path) == {"spec": spec, "versions": decoding._versions(),
+                                          "seconds": 0.0}
     decoding._build_one(path, {**spec, "version": 2}, write)  # another recipe: rebuilt
     assert len(calls) == 2
 
@@ -105,6 +106,30 @@ def test_an_interrupted_build_leaves_nothing_that_looks_built(tmp_path: Path) ->
     with pytest.raises(FileExistsError, match="was not built by decoding.build"):
         decoding._build_one(foreign, spec, write)
     assert (foreign / "mine.txt").read_text() == "keep"
+
+
+def test_a_quick_build_and_a_version_bump(tmp_path: Path) -> None:
+    target_dir, draft_dir = decoding.build(tmp_path, steps=4)
+    assert (target_dir.name, draft_dir.name) == ("decoding-target-4steps", "decoding-draft-4steps")
+    target_record = decoding.read_marker(target_dir)
+    draft_record = decoding.read_marker(draft_dir)
+    assert target_record is not None and draft_record is not None
+    assert target_record["steps"] == 4 and draft_record["steps"] == 2  # 4 * 300 / 520
+    assert target_record["versions"] == decoding._versions()
+
+    # Note [Version bumps]: other library versions, a model that still loads: reused
+    bumped = {**target_record, "versions": {"torch": "0.0", "transformers": "0.0"}}
+    (target_dir / decoding.MARKER).write_text(json.dumps(bumped))
+    before = {p.name: p.stat().st_mtime_ns for p in target_dir.iterdir()}
+    assert decoding.build(tmp_path, steps=4) == (target_dir, draft_dir)
+    assert {p.name: p.stat().st_mtime_ns for p in target_dir.iterdir()} == before
+    # ... and one that no longer loads: rebuilt
+    (target_dir / "config.json").write_text("{}")
+    decoding.build(tmp_path, steps=4)
+    assert json.loads((target_dir / "config.json").read_text())["num_hidden_layers"] == 8
+    assert decoding.read_marker(target_dir)["versions"] == decoding._versions()  # type: ignore[index]
+    with pytest.raises(ValueError, match=r"^steps must be an integer >= 1, got 0$"):
+        decoding.build(tmp_path, steps=0)
 
 
 def test_bytes_round_trip() -> None:
@@ -196,11 +221,13 @@ def _exact_pairs(target: Any, ids: torch.Tensor, temperature: float) -> torch.Te
 
 
 def _sample_pairs(pair: tuple[Any, Any], ids: torch.Tensor, temperature: float,
-                  seed: int) -> torch.Tensor:
+                  seed: int, k: int = 1) -> torch.Tensor:
+    """Counts of the first two tokens; with *k* = 2, of three-token runs (one round drafts
+    both: the second is a draft checked after an accepted one)."""
     gen = torch.Generator().manual_seed(seed)
     counts = torch.zeros(256 * 256, dtype=torch.float64)
     for _ in range(SAMPLES):
-        tokens, _ = decoding.speculative(*pair, ids, 2, k=1, temperature=temperature,
+        tokens, _ = decoding.speculative(*pair, ids, k + 1, k=k, temperature=temperature,
                                          generator=gen)
         counts[tokens[0] * 256 + tokens[1]] += 1
     return counts
@@ -228,11 +255,13 @@ def sampling_case(pair: tuple[Any, Any]) -> tuple[torch.Tensor, float]:
     return best[1], temperature
 
 
+@pytest.mark.parametrize(("temperature", "k"), [(1.0, 1), (0.7, 2)])
 def test_speculative_sampling_follows_the_target_distribution(
-        pair: tuple[Any, Any], sampling_case: tuple[torch.Tensor, float]) -> None:
-    ids, temperature = sampling_case
+        pair: tuple[Any, Any], sampling_case: tuple[torch.Tensor, float], temperature: float,
+        k: int) -> None:
+    ids, _ = sampling_case
     exact = _exact_pairs(pair[0], ids, temperature)
-    counts = _sample_pairs(pair, ids, temperature, seed=0)
+    counts = _sample_pairs(pair, ids, temperature, seed=0, k=k)
     assert _chi_square_p(counts, exact * SAMPLES) > 0.01
 
 

@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     methods = {
         "greedy": lambda: decoding.greedy(target, ids, args.n),
         f"speculative k={args.k}": lambda: decoding.speculative(target, draft, ids, args.n, args.k),
+        "speculative adaptive k<=12 confidence=0.4": lambda: decoding.speculative(
+            target, draft, ids, args.n, 12, confidence=0.4),
+        "prompt lookup k=10": lambda: decoding.prompt_lookup(target, ids, args.n, 10),
         f"self-speculative k={args.k} exit={args.exit_layer}": lambda: decoding.self_speculative(
             target, ids, args.n, args.k, args.exit_layer),
         f"early exit {threshold}": lambda: decoding.early_exit(target, ids, args.n, threshold),
@@ -81,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         tokens, stats = method()
         extra = ""
         if stats["accepted"]:
-            extra = f", {args.n / stats['target_passes']:.2f} tokens per target pass"
+            extra = f", {len(tokens) / stats['target_passes']:.2f} tokens per target pass"
         if name.startswith("early"):
             extra = f", {sum(stats['exit_layers'][1:]) / (args.n - 1):.2f} layers per token"
         print(f"\n{name}: {args.n / stats['seconds']:.0f} tok/s{extra}\n{decoding.decode(tokens)}")
