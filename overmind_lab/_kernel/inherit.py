@@ -34,6 +34,7 @@ gets the same:
 from __future__ import annotations
 
 import os
+import re
 import resource
 from pathlib import Path
 from typing import Any
@@ -120,7 +121,7 @@ def refusal(wanted: dict[str, Any]) -> str | None:
 
 def _unescape(field: str) -> str:
     """A mountinfo field: spaces, tabs, newlines and backslashes are octal escapes."""
-    return field.encode().decode("unicode_escape") if "\\" in field else field
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
 def _cgroup_dir(key: str, path: str) -> Path:
