@@ -28,9 +28,9 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypedDict, TypeVar, cast
+from typing import Any, NotRequired, TypedDict, TypeVar, cast
 
-from overmind_lab._client import background, observe
+from overmind_lab._client import background, observe, user_code
 from overmind_lab._client import keys as _keys
 from overmind_lab._client.client import Client, Session
 from overmind_lab._client.pickling import WritePlan, dump, load_stream
@@ -62,6 +62,8 @@ class Meta(TypedDict):
     pickler: str  # "pickle" or "dill"
     buffers: list[tuple[int, int, int]]  # out-of-band buffers (lists once through JSON)
     observed: dict[str, Any]  # warnings and log records to replay (observe.Observed)
+    #: the user's code in the result: "module:qualname" -> digest (``user_code.graph_code``)
+    code: NotRequired[dict[str, str]]
 
 
 @dataclass
@@ -243,12 +245,21 @@ def _fallback(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any
 def _load_with(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
                kwargs: dict[str, Any], info: _keys.KeyInfo, start: float) -> T:
     unavailable: BaseException | None = None
+    stale: str | None = None  # why an entry was there but built by other code
+    changed_again: str | None = None
     try:
-        entry, fds = session.lookup(info.key, refresh=bool(_state.refresh))
+        entry, fds, stale = _lookup(session, info)
+    except _CodeChanged as exc:
+        changed_again = str(exc)
     except (OvermindError, OSError) as exc:
         unavailable = exc
     if unavailable is not None:
         return _fallback(fn, args, kwargs, info, start, unavailable)
+    if changed_again is not None:
+        result = _plain(fn, args, kwargs)
+        _emit(LoadEvent(info.key, info.name, "uncached", time.perf_counter() - start,
+                        reason=changed_again))
+        return result
     components = _components(args, kwargs)
     if entry is not None:
         return _hit(session, fn, args, kwargs, info, start, entry, fds, components)
@@ -301,13 +312,50 @@ def _load_with(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
                         reason=str(failure)))
         return result
     _emit(LoadEvent(info.key, info.name, "cold", time.perf_counter() - start,
-                    cold_seconds=cold))
+                    cold_seconds=cold, reason=stale))
     if obj is not result:
         del result
         # The loader's own copy is gone: give its pages back, off the caller's path
         # (0.05-0.15 s for an SD UNet; ``malloc_trim`` runs without the GIL).
         threading.Thread(target=_trim_heap, name="overmind-lab-trim", daemon=True).start()
     return obj  # type: ignore[no-any-return]
+
+
+class _CodeChanged(Exception):
+    """An entry built by other code than this process's, twice (see ``_lookup``)."""
+
+
+# Note [Code that changed under an entry]: the key holds the loader's code, not the code
+# of the classes the result is made of (a model class registered with an Auto class, a
+# component a pipeline imports by name, a class of an editable install): those are known
+# only after the load, so the pickler collects them and the entry records their digests
+# (``user_code.graph_code``, ``Meta.code``). A hit compares them with this process's code
+# before anything is rebuilt (free for entries without user code). When they differ, the
+# hit is a miss: the descriptors are closed and the key is looked up again with
+# ``refresh``, as ``refreshing()`` does, which gives this process the lease although an
+# entry exists; it loads from source and its store replaces the entry. Unchanged code
+# stays warm. If another process held the lease meanwhile, the daemon answers with that
+# process's fresh entry; when that one differs too (two processes running different code
+# under one key), this load runs uncached instead of taking turns with the other.
+def _lookup(session: Session,
+            info: _keys.KeyInfo) -> tuple[WireEntry | None, list[int], str | None]:
+    """A hit built by this process's code, ``(entry, fds, None)``; or the lease, ``(None,
+    [], why)``, where ``why`` says which code changed, if an entry was there. Raises
+    ``_CodeChanged`` when a second entry in a row was built by other code."""
+    entry, fds = session.lookup(info.key, refresh=bool(_state.refresh))
+    stale: str | None = None
+    for again in (False, True):
+        recorded = cast(Meta, entry["meta"]).get("code") if entry is not None else None
+        why = user_code.changed(recorded)
+        if why is None:
+            return entry, fds, stale
+        stale = why
+        for fd in fds:
+            os.close(fd)
+        if again:
+            raise _CodeChanged(why)
+        entry, fds = session.lookup(info.key, refresh=True)
+    raise AssertionError("unreachable")
 
 
 def _warn_not_stored(key: str, name: str, error: str, not_cacheable: bool) -> None:
@@ -398,6 +446,7 @@ def _store(session: Session, info: _keys.KeyInfo, result: Any, cold: float,
     t0 = time.perf_counter()
     by_id = {id(v): k for k, v in components.items()}
     stream, plan, kind = dump(result, by_id, sources=SourceMap())
+    code = user_code.graph_code(plan.classes)  # Note [Code that changed under an entry]
     expected = type(result)
     try:
         linked = _link_sources(session, info.key, plan)
@@ -429,6 +478,8 @@ def _store(session: Session, info: _keys.KeyInfo, result: Any, cold: float,
     plan.items.clear()
     meta: Meta = {"stream": [0, stream_offset, len(stream)], "pickler": kind,
                   "buffers": plan.buffers, "observed": observed.to_json()}
+    if code:
+        meta["code"] = code
     session.store({
         "op": "store", "key": info.key, "name": info.name,
         "class": f"{type(result).__module__}.{type(result).__qualname__}",

@@ -31,6 +31,7 @@ import os
 import pickle
 import sys
 import threading
+import types
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -70,6 +71,8 @@ class WritePlan:
     buffers: list[tuple[int, int, int]] = field(default_factory=list)
     tensors: int = 0
     shared_bytes: int = 0
+    #: the classes and functions the stream names (for ``user_code.graph_code``)
+    classes: list[Any] = field(default_factory=list)
 
     def place(self, data: Any, nbytes: int) -> int:
         offset = _align(self.size)
@@ -406,12 +409,16 @@ def _make_pickler(base: type, file: io.BytesIO, plan: WritePlan,
             kind = kinds.get(cls)
             if kind is None:
                 kind = kinds[cls] = (
-                    "typed" if issubclass(cls, torch.storage.TypedStorage)
+                    "code" if issubclass(cls, type) or cls is types.FunctionType
+                    else "typed" if issubclass(cls, torch.storage.TypedStorage)
                     else "untyped" if issubclass(cls, torch.UntypedStorage)
                     else "module" if compact_modules and _default_module_pickling(cls)
                     else "")
             if kind == "module":
                 return reduce_module(obj)
+            if kind == "code":  # a class or function, once per stream (then memoized)
+                plan.classes.append(obj)
+                return NotImplemented
             if kind:
                 if kind == "typed":
                     untyped, dtype, typed = obj._untyped_storage, obj.dtype, True
