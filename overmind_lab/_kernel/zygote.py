@@ -64,6 +64,8 @@ log = logging.getLogger("overmind_lab.zygote")
 _REPLY_TIMEOUT = 10.0
 #: How long a forked child may take to report that it took on the server's attributes.
 _READY_TIMEOUT = 10.0
+#: How long a fork may wait for the BLAS probe of a CPU affinity not seen before.
+_AFFINITY_PROBE_TIMEOUT = 8.0
 #: The user's own value of a variable the zygote overrides (``spawn``) is kept under this.
 _ORIG = "OVERMIND_LAB_ORIG_"
 _TICK_MS = 500
@@ -208,8 +210,8 @@ def _targets_for(state: _State, wanted: dict[str, Any]) -> dict[str, int]:
         return state.thread_targets
     if cpus not in state.targets_by_cpus:
         probe = _probe_threads(user_env(dict(os.environ)), cpus)
-        try:
-            out, _ = probe.communicate(timeout=120)
+        try:  # well within the provisioner's wait for the fork (_FORK_TIMEOUT, 20 s)
+            out, _ = probe.communicate(timeout=_AFFINITY_PROBE_TIMEOUT)
             found = {str(k): int(v) for k, v in json.loads(out or "{}").items()}
         except (subprocess.TimeoutExpired, ValueError):
             probe.kill()
