@@ -29,10 +29,22 @@ def test_bench_quick_decoding(tmp_path: Path) -> None:
     assert results["meta"]["cases"] == ["decoding"]
     dec = results["decoding"]
     assert dec["exact"] is True and dec["mismatches"] == []
-    assert set(dec["tokens_per_second"]) == {
-        "greedy", "speculative k=1", "speculative k=2", "speculative k=4",
-        "self-speculative k=2 exit=2", "early exit"}
-    assert 0 < dec["alpha"] < 1 and dec["best_k"] in (1, 2, 4)
+    lab = {"greedy", "speculative k=1", "speculative k=2", "speculative k=4",
+           "speculative adaptive k<=12", "prompt lookup k=10", "self-speculative k=2 exit=2",
+           "early exit"}
+    transformers = {"transformers greedy", "transformers assisted (same draft)",
+                    "transformers prompt lookup", "transformers early exit (layer 2)"}
+    assert set(dec["tokens_per_second"]) | set(dec["transformers_failed"]) == lab | transformers
+    assert lab <= set(dec["tokens_per_second"]) and "transformers greedy" in dec["tokens_per_second"]
+    for name, spread in dec["spread"].items():
+        assert spread["min"] <= spread["median"] <= spread["max"], name
+    assert dec["transformers_best"] in transformers and dec["lab_best"] in lab
+    assert dec["lab_over_transformers"] > 0
+    # K was picked on the tuning prompts, not on the measured ones
+    assert dec["tuning"]["prompts"] == 2 and dec["best_k"] in (1, 2, 4)
+    assert dec["best_k"] == max((1, 2, 4), key=lambda k: dec["tuning"]["tokens_per_second"][str(k)])
+    assert dec["loads"] and all(line.split()[0] in ("cold", "warm") for line in dec["loads"])
+    assert 0 < dec["alpha"] < 1
     for k, row in dec["per_k"].items():
         assert row["predicted_tokens_per_round"] == pytest.approx(
             decoding.predicted_tokens_per_round(dec["alpha"], int(k)))
@@ -47,6 +59,7 @@ def test_bench_quick_decoding(tmp_path: Path) -> None:
     md = (out / "results.md").read_text()
     assert "## Decoding: speculative decoding and early exit" in md
     assert "| speculative k=4" in md and "Early exit at threshold" in md
+    assert "| transformers greedy" in md and "transformers' best" in md
     assert "tokens/s, greedy speculative decoding (best K) / greedy" in proc.stdout
 
 
