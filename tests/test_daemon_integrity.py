@@ -153,6 +153,36 @@ def test_a_damaged_segment_of_the_running_daemon_is_dropped(daemon: Client, how:
     assert sized_child(nbytes, "d") == {"outcome": "warm", "sum": first["sum"]}  # re-stored
 
 
+FLIP_AT_ONCE = """
+import glob, json, os, sys
+sys.path.insert(0, {here!r})
+import overmind_lab
+from tests.loaders import sized_load
+with overmind_lab.record_loads() as events:
+    t = overmind_lab.load(sized_load, 256 * 1024, "f")
+[path] = glob.glob(os.path.join({cache!r}, "*.tmp")) or glob.glob(os.path.join({cache!r}, "*.seg"))
+os.chmod(path, 0o600)  # no pause: within a timestamp tick of the store, if it can
+with open(path, "r+b") as f:
+    f.seek(1000)
+    byte = f.read(1)
+    f.seek(1000)
+    f.write(bytes([byte[0] ^ 0x10]))
+os.chmod(path, 0o400)
+print(json.dumps({{"outcome": events[-1].outcome, "sum": float(t.sum())}}))
+"""
+
+
+def test_a_segment_damaged_right_after_its_store_is_dropped(daemon: Client) -> None:
+    """The stamp taken at ``store`` sees a write made at once (multigrain timestamps,
+    Linux 6.13+: a change after a ``stat`` always moves the ctime), whether the file is
+    still being finished or already is."""
+    env = {**os.environ, "OVERMIND_LAB_BACKGROUND_STORE": "never"}
+    first = last_json(run_py(FLIP_AT_ONCE.format(here=HERE, cache=str(cache_dir())), env=env))
+    assert first["outcome"] == "cold"
+    assert sized_child(256 * 1024, "f") == {"outcome": "cold", "sum": first["sum"]}
+    assert log_text(daemon.path).count("dropped entry") == 1
+
+
 def test_a_segment_damaged_while_the_daemon_is_down_is_checked_before_use(
         daemon: Client) -> None:
     first = sized_child(256 * 1024, "r")

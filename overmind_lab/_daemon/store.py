@@ -52,11 +52,18 @@ the next one 22-47 ms (plain load 5.4 s).
   a restart does not read 1.7 GB first. A file without a matching stamp (copied, touched,
   an index of an older daemon) is checksummed before its first use.
 
+Why timestamps can be trusted here: since Linux 6.13 (multigrain timestamps) a change
+made after a ``stat`` of the inode always gets a new, fine-grained ctime (measured here,
+ext4 on 6.18: 0 of 2000 writes right after an ``fstat`` kept it); every stamp is such a
+``stat``. ``finish`` checks the stamp around its checksum and, after its own trailer
+write, that the mtime did not move again (its chmod and rename move only the ctime).
+
 What remains: a change below the file system (a bit flipped on the medium, a write to
 the block device by root) is found by the background checksum after a restart, not
-before a hit of the running daemon: the page cache serves what was written. And two
-writes within one timestamp tick of the writer's own last write, before ``store``, are
-one write to the stamp: the writer is the client that stores, whose bytes they are.
+before a hit of the running daemon: the page cache serves what was written. A write in
+the microseconds between ``finish``'s stamp check and its trailer write is sealed into
+the checksum. On kernels before 6.13, a write within one timestamp tick (a few ms) of
+the stamp can keep it.
 
 The index file (``<cache dir>/index``) is a header ``magic, body length, crc32 of the
 body`` followed by a JSON body, written to ``index.tmp``, fsynced and renamed over the old
@@ -267,6 +274,7 @@ class Segment:
     scrubbed: bool = True  # checksum read once by this daemon (after a restart: not yet)
     refs: int = 0
     writer_fd: int = -1  # file tier, until finished
+    trailer_mtime: int = 0  # file tier, while finished: the mtime of the trailer's write
     #: file tier: the file's identity (``IDENTITY``) when its bytes were last known good:
     #: at ``store`` (the writer is done), after ``finish``, after a checksum passed
     stamp: list[int] | None = None
@@ -299,7 +307,10 @@ class Segment:
             if identity(st) != self.stamp:
                 self.verified = False  # the checksum tells whether it did harm
         elif st.st_size == finished and self.writer_fd >= 0:
-            pass  # ``finish`` is writing the trailer, after it compared the stamp itself
+            # ``finish`` wrote the trailer (after it compared the stamp itself): from then
+            # on only the ctime may move (chmod, rename) until it takes the final stamp.
+            if self.trailer_mtime and st.st_mtime_ns != self.trailer_mtime:
+                return f"segment file {self.id} was written after it was stored"
         elif st.st_size != max(self.size, 1):
             return (f"segment file {self.id} has {st.st_size} bytes, {max(self.size, 1)} "
                     "expected (truncated or extended)")
@@ -538,20 +549,28 @@ class Store:
         the checksum would seal bytes nobody stored.
         """
         assert self.dir is not None and seg.writer_fd >= 0
+        written = f"segment file {seg.id} was written after it was stored"
+        # The checksum is the bytes as stored only if the file did not move since
+        # ``store``, nor while it was read (a change after a ``stat`` always moves the
+        # ctime on Linux 6.13+, multigrain timestamps).
         crc = _crc_fd(seg.fd, seg.size)
         if seg.stamp is not None and identity(os.fstat(seg.fd)) != seg.stamp:
-            raise Corrupt(f"segment file {seg.id} was written after it was stored")
+            raise Corrupt(written)
         trailer_at = _align(max(seg.size, 1))
         os.pwrite(seg.writer_fd, _trailer(seg.size, crc), trailer_at)
+        mtime = seg.trailer_mtime = os.fstat(seg.fd).st_mtime_ns  # our last write
         os.fsync(seg.writer_fd)
         os.fchmod(seg.writer_fd, 0o400)
         os.rename(seg.id + TMP_SUFFIX, seg.id + SEG_SUFFIX, src_dir_fd=self._dir_fd,
                   dst_dir_fd=self._dir_fd)
         self._fsync_dir()
+        final = os.fstat(seg.fd)
+        if final.st_mtime_ns != mtime or final.st_size != file_bytes(seg.size):
+            raise Corrupt(written)  # a write while it was finished: the crc is not of it
         # In this order: ``Segment.check`` (the event loop's thread) accepts the finished
         # size while the writer fd is open, then compares with the final stamp.
         seg.crc = crc
-        seg.stamp = identity(os.fstat(seg.fd))  # after the chmod and the rename
+        seg.stamp = identity(final)  # after the chmod and the rename
         seg.persisted = True
         os.close(seg.writer_fd)
         seg.writer_fd = -1
