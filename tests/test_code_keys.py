@@ -84,6 +84,23 @@ def test_a_module_of_the_user_is_digested_by_its_file(tmp_path: Path,
         sys.modules.pop("uc_empty", None)
 
 
+def test_a_module_file_gone_since_its_import_makes_the_load_uncached(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [Digests never fail a load]: NotCacheable (one warning), not FileNotFoundError."""
+    mod = tmp_path / "uc_gone.py"
+    mod.write_text("def make(path):\n    return path\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("uc_gone")
+    try:
+        recorded = user_code.code_of(module.make)
+        mod.unlink()
+        with pytest.raises(NotCacheable, match="cannot be digested"):
+            user_code.code_of(module.make)
+        assert "No such file" in (user_code.changed(recorded) or "")
+    finally:
+        sys.modules.pop("uc_gone", None)
+
+
 def _module_without_file(name: str, source: str, filename: str = "<string>") -> Any:
     module = types.ModuleType(name)
     sys.modules[name] = module

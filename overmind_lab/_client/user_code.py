@@ -422,7 +422,7 @@ def _hash_function(func: Any, h: Any) -> None:
     for inner in _inner_functions(func):
         try:
             h.update(inspect.getsource(inner).encode())
-        except (OSError, TypeError):
+        except Exception:  # noqa: BLE001 - no source (OSError), or none inspect can parse
             _hash_code(inner.__code__, h)
         h.update(_plain_repr((inner.__defaults__, inner.__kwdefaults__)).encode())
 
@@ -483,7 +483,20 @@ def code_of(fn: Callable[..., Any]) -> dict[str, str]:
     items: list[Any] = [getattr(fn, "__func__", fn)]
     if isinstance(owner, type):
         items.append(owner)
-    return _digests(items)
+    return _guarded(_digests, items)
+
+
+def _guarded(digests: Callable[[list[Any]], dict[str, str]],
+             items: list[Any]) -> dict[str, str]:
+    """Note [Digests never fail a load]: a module file deleted or unreadable since its
+    import, a source inspect cannot parse: whatever goes wrong makes the load uncached
+    (:class:`NotCacheable`, which ``load`` turns into one warning), never an error."""
+    try:
+        return digests(items)
+    except NotCacheable:
+        raise
+    except Exception as exc:  # noqa: BLE001 - see the Note
+        raise NotCacheable(f"the code of the load cannot be digested: {exc!r}") from exc
 
 
 def graph_code(objects: Iterable[Any]) -> dict[str, str]:
@@ -491,7 +504,7 @@ def graph_code(objects: Iterable[Any]) -> dict[str, str]:
     classes' MROs), as :func:`code_of` lists it. Items that cannot be found again by
     name and have no module file (a lambda in ``python -c``) are left out: pickle stores
     such functions by value, with their code."""
-    out = _digests(objects)
+    out = _guarded(_digests, list(objects))
     for name in list(out):
         if _resolve(name) is None and _module_file(
                 sys.modules.get(name.partition(":")[0])) is None:
@@ -520,6 +533,13 @@ def changed(recorded: dict[str, str] | None) -> str | None:
     (also for entries without user code: the common case, free)."""
     if not recorded:
         return None
+    try:
+        return _changed(recorded)
+    except Exception as exc:  # noqa: BLE001 - Note [Digests never fail a load]
+        return f"the code could not be compared: {exc!r}"
+
+
+def _changed(recorded: dict[str, str]) -> str | None:
     for name, digest in recorded.items():
         module_name = name.partition(":")[0]
         obj = _resolve(name)
@@ -533,7 +553,7 @@ def changed(recorded: dict[str, str] | None) -> str | None:
             return f"{name} is not defined in this process"
         try:
             now = _digest(obj, module, file)
-        except (NotCacheable, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - Note [Digests never fail a load]
             return str(exc)
         if now != digest:
             return f"the code of {name} changed"
