@@ -19,13 +19,15 @@ import hashlib
 import json
 import os
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
 from overmind_lab._common.naming import ensure_private_dir, runtime_dir, socket_path
 
 __all__ = ["IMPORT_ENV_PREFIXES", "import_env", "environment", "identity", "zygote_dir",
-           "ZygotePaths", "ZYGOTE_IDLE_ENV", "zygote_idle_seconds"]
+           "ZygotePaths", "ZYGOTE_IDLE_ENV", "zygote_idle_seconds", "ZYGOTE_BOOT_WAIT_ENV",
+           "zygote_boot_wait_seconds"]
 
 #: Environment variables (by prefix) that can change what an import does or which threads
 #: and devices it sets up. Kernels whose values differ never share a zygote.
@@ -45,19 +47,33 @@ ZYGOTE_ONLY_ENV = ("OPENBLAS_NUM_THREADS", "PYTORCH_NVML_BASED_CUDA_CHECK")
 #: so that a next run (nbconvert, papermill, a VS Code launcher) is forked, not plain.
 ZYGOTE_IDLE_ENV = "OVERMIND_LAB_ZYGOTE_IDLE"
 DEFAULT_ZYGOTE_IDLE_S = 300.0
+#: Note [Waiting for a booting zygote]: how long (seconds) a launch that finds no zygote
+#: socket waits for a zygote that is importing right now, instead of starting plainly.
+ZYGOTE_BOOT_WAIT_ENV = "OVERMIND_LAB_ZYGOTE_BOOT_WAIT"
+DEFAULT_ZYGOTE_BOOT_WAIT_S = 30.0
 #: Settings of the zygote's own life, not of what imports do: never part of the identity.
-_NOT_IMPORT_ENV = frozenset({ZYGOTE_IDLE_ENV})
+_NOT_IMPORT_ENV = frozenset({ZYGOTE_IDLE_ENV, ZYGOTE_BOOT_WAIT_ENV})
+
+
+def _seconds(env: Mapping[str, str] | None, name: str, default: float) -> float:
+    value = (os.environ if env is None else env).get(name, "")
+    try:
+        seconds = float(value)
+    except ValueError:
+        return default
+    return seconds if seconds >= 0 else default
 
 
 def zygote_idle_seconds(env: Mapping[str, str] | None = None) -> float:
     """``$OVERMIND_LAB_ZYGOTE_IDLE`` in seconds (``0``: exit with the last owner), else
     :data:`DEFAULT_ZYGOTE_IDLE_S`."""
-    value = (os.environ if env is None else env).get(ZYGOTE_IDLE_ENV, "")
-    try:
-        seconds = float(value)
-    except ValueError:
-        return DEFAULT_ZYGOTE_IDLE_S
-    return seconds if seconds >= 0 else DEFAULT_ZYGOTE_IDLE_S
+    return _seconds(env, ZYGOTE_IDLE_ENV, DEFAULT_ZYGOTE_IDLE_S)
+
+
+def zygote_boot_wait_seconds(env: Mapping[str, str] | None = None) -> float:
+    """``$OVERMIND_LAB_ZYGOTE_BOOT_WAIT`` in seconds (``0``: never wait), else
+    :data:`DEFAULT_ZYGOTE_BOOT_WAIT_S`."""
+    return _seconds(env, ZYGOTE_BOOT_WAIT_ENV, DEFAULT_ZYGOTE_BOOT_WAIT_S)
 
 
 def import_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -120,3 +136,33 @@ class ZygotePaths:
     @classmethod
     def for_launch(cls, interpreter: str, env: Mapping[str, str]) -> ZygotePaths:
         return cls(zygote_dir(env), identity(interpreter, env))
+
+    def booting(self) -> list[int]:
+        """The pids of live zygotes importing for this identity now: each binds
+        ``<socket>.<pid>`` when its boot starts and renames it over the socket at the end
+        (Note [Replacing a zygote] in ``zygote.py``)."""
+        pids = []
+        for tmp in self.directory.glob(f"{self.socket.name}.*"):
+            suffix = tmp.name.rpartition(".")[2]
+            if suffix.isdigit() and os.path.exists(f"/proc/{suffix}"):
+                pids.append(int(suffix))
+        return pids
+
+    def wait_while_booting(self, timeout: float) -> bool:
+        """Whether the socket exists, after waiting up to ``timeout`` seconds while a zygote
+        boots and none serves.
+
+        Note [Waiting for a booting zygote]: the first launch finds no zygote, starts one
+        and is plain; a launch a few seconds later (a restart, the next ``nbconvert``
+        run, a second VS Code kernel) would find it still importing, start another, which
+        loses the boot lock at once, and be plain too. It waits for the one importing
+        instead: what it waits is the rest of the same imports a plain kernel's cells
+        would do, and then its kernel is forked. A zygote already serving (a replacement
+        booting beside it) is used at once; nothing booting, no wait.
+        """
+        deadline = time.monotonic() + timeout
+        while not self.socket.exists():
+            if time.monotonic() >= deadline or not self.booting():
+                return False
+            time.sleep(0.05)
+        return True

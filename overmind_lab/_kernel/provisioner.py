@@ -120,12 +120,13 @@ def request_fork(cmd: list[str], env: dict[str, str], cwd: str,
 
     ``attributes`` (``inherit.observe()`` in the thread that would start a plain kernel)
     are what the kernel takes on; ``None``: the zygote's own."""
-    from overmind_lab._kernel.naming import ZygotePaths
+    from overmind_lab._kernel.naming import ZygotePaths, zygote_boot_wait_seconds
     from overmind_lab._kernel.zygote import spawn
 
     if not sys.platform.startswith("linux"):
         raise WarmUnavailable(f"warm kernels need Linux (this is {sys.platform})")
     paths = ZygotePaths.for_launch(cmd[0], env)
+    paths.wait_while_booting(zygote_boot_wait_seconds(env))  # Note [Waiting for a booting zygote]
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     sock.settimeout(_CONNECT_TIMEOUT)
     try:
