@@ -65,7 +65,10 @@ def test_the_notebook_runs_every_method_and_is_warm_after_a_restart(
     assert [line.split()[0] for line in loads] == ["cold", "cold"], loads
     assert "AutoModelForCausalLM.from_pretrained(" in loads[0]
     methods = "\n".join(stdout(first["methods"]))
-    assert methods.count("(= greedy)") == 2 * 3 and "DIFFERS" not in methods
+    assert methods.count("(= greedy)") == 4 * 3 and "DIFFERS" not in methods
+    side_by_side = stdout(first["transformers"])
+    assert [line.split()[0] for line in side_by_side] == ["transformers"] * 4, side_by_side
+    assert all(line.endswith("(median; = greedy)") for line in side_by_side), side_by_side
     assert "early exit (threshold" in methods
     sweep = stdout(first["sweep"])
     assert sweep[0].startswith("alpha over all K: ") and len(sweep) == 7

@@ -18,8 +18,12 @@ The decoding functions
 ----------------------
 
 All take ``ids`` (a ``LongTensor`` of shape ``[1, prompt_len]``) and ``n`` (new tokens),
-and return ``(tokens, stats)``: ``tokens`` is a 1-D ``LongTensor`` of the ``n`` new tokens
-and ``stats`` a dict (see :func:`speculative`).
+and return ``(tokens, stats)``: ``tokens`` is a 1-D ``LongTensor`` of the new tokens (``n``,
+or fewer when a stop token ended the sequence: ``stop=``, by default the model's
+end-of-sequence ids as in transformers' ``generate``) and ``stats`` a dict (see
+:func:`speculative`). ``ids`` may also be a list of prompts of any lengths: they run as
+one batch (each row at its own positions in one KV cache) and the result is a list of
+``(tokens, stats)``, one per prompt, each equal to running that prompt alone.
 
 - :func:`greedy`: one target pass per token.
 - :func:`speculative`: the draft proposes ``k`` tokens, the target scores them in one
@@ -30,7 +34,17 @@ and ``stats`` a dict (see :func:`speculative`).
 - :func:`early_exit`: the shared LM head after the final norm on every layer; a token
   leaves at the first layer whose max probability clears its threshold.
 - :func:`self_speculative`: the target's first ``exit_layer`` layers are the draft, the
-  full target verifies (exact, like greedy speculative decoding).
+  rest of the target verifies, on one KV cache (the draft's early layers are the
+  target's); greedy or sampling, exact like :func:`speculative`.
+- :func:`prompt_lookup`: no draft model; the drafts are what followed the last earlier
+  occurrence of the sequence's final n-gram.
+
+:func:`speculative` and :func:`self_speculative` also draft adaptively: with
+``confidence=``, a round's drafting stops after a token the draft is less sure of.
+
+The lean forward (:class:`Runner`) runs any ``LlamaForCausalLM``: biases, grouped-query
+attention, ``head_dim``, the rope scaling types, tied embeddings; what it cannot run
+raises ``ValueError`` naming the option.
 
 They run the models through a lean forward (:class:`Runner`) over the weights of the
 Hugging Face modules, with a preallocated KV cache per model: a rejection rolls the
