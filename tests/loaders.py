@@ -168,6 +168,9 @@ def layouts() -> dict[str, Any]:
     hooked.register_forward_hook(_identity_hook)
     model.add_module("hooked", hooked)
     marked = linear(torch.nn.Linear, 2, 2)
+    with torch.no_grad():
+        for p in marked.parameters():
+            p.fill_(2.0)  # skip_init leaves whatever the allocator had
     marked._forward_hooks_always_called[7] = True  # one table, not the ones beside it
     model.add_module("marked", marked)
     model[0]._compiled_call_impl = None  # dropped by Module.__getstate__
@@ -192,3 +195,20 @@ def layouts() -> dict[str, Any]:
         "param": torch.nn.Parameter(torch.zeros(2, 2), requires_grad=False),
         "attributed": attributed,
     }
+
+
+def hooked_model() -> torch.nn.Module:
+    """A module whose loader registers hooks (ids from torch's process-wide counter)."""
+    for _ in range(5):  # the loading process has registered hooks of its own before
+        torch.nn.Identity().register_forward_hook(_identity_hook)
+    model = torch.nn.utils.skip_init(torch.nn.Linear, 2, 2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    model.register_forward_hook(_identity_hook)
+    model.register_forward_pre_hook(_identity_pre_hook)
+    return model
+
+
+def _identity_pre_hook(module: torch.nn.Module, args: Any) -> None:
+    return None

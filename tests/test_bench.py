@@ -130,8 +130,7 @@ def test_quick_bench_end_to_end(tmp_path: Path) -> None:
             assert case["stats"][mode]["load"]["n"] == 2
         assert len({r["pid"] for mode in case["runs"] for r in case["runs"][mode]}) == 12, \
             "every measurement runs in its own process"
-        assert case["check"]["passed"] is True, case["check"]
-        assert all(case["check"]["checks"].values())
+        assert case["check"]["passed"] is True, case["check"]["failures"]
         assert case["ratios"]["warm_over_plain"] is not None
         assert case["ratios"]["restart_total_over_plain"] is not None
         assert case["ratios"]["reboot_total_over_plain_cold"] is not None

@@ -212,7 +212,11 @@ def _normalize_torch(value: Any) -> Any:
 # -- sources ----------------------------------------------------------------------------
 def _source_signature(text: str) -> dict[str, Any]:
     path = Path(text).expanduser()
-    if path.exists():
+    try:
+        exists = path.exists()
+    except OSError:  # no path at all (ENAMETOOLONG: a text argument of 256+ characters)
+        return {"text": text}
+    if exists:
         resolved = path.resolve()
         return {"local": str(resolved), "files": _tree_signature(resolved)}
     return {"hub": text}
@@ -418,12 +422,32 @@ def _attention_packages() -> tuple[str, ...]:
     return tuple(p for p in _ATTENTION_PACKAGES if importlib.util.find_spec(p) is not None)
 
 
+def _torch_if_installed() -> Any:
+    """torch, imported if it is installed and not yet imported.
+
+    A load that does not need torch (a tokenizer, a scheduler's config) may still import
+    it on the way (transformers does where it is installed); keyed on whether torch was
+    imported, the first load's key would differ from every later one's in the same
+    process: never warm. Where torch is installed, the libraries being loaded import it
+    anyway, so this import only moves that cost earlier.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None and _torch_installed():
+        import torch
+    return torch
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_installed() -> bool:
+    return importlib.util.find_spec("torch") is not None
+
+
 def _process_state() -> dict[str, Any]:
     """Inputs of the loaders that are neither arguments nor files (the Note above)."""
     env = {k: v for k, v in os.environ.items()
            if (k.startswith(_ENV_PREFIXES) or k in _ENV_NAMES) and k not in _ENV_IGNORED}
     state: dict[str, Any] = {"env": env, "attention": list(_attention_packages())}
-    torch = sys.modules.get("torch")
+    torch = _torch_if_installed()
     if torch is not None:
         state["default_dtype"] = str(torch.get_default_dtype())
         state["default_device"] = str(torch.get_default_device())

@@ -3,11 +3,11 @@
 The cold load runs in this process (its libraries are already imported); the result is
 pickled with tensor bytes out of band, the bytes go into a new segment the daemon created
 for it (a file in the cache directory, or a memfd) or stay in the source file the entry
-links to, and the caller gets the object rebuilt from that segment, exactly as any later
-process will. A large result is the exception: a forked copy of this process stores it,
-and the caller gets the loader's own object at once (``background``, Note [Storing in a
-forked process]). The cache never makes a load fail: whatever goes wrong on the cache's
-side, the caller gets the original function's result and one warning.
+links to, and the caller gets the loader's own object (Note [Never worse than plain]);
+every later load, in any process, is rebuilt from the entry. A large result is stored by
+a forked copy of this process, so the caller gets it at once (``background``, Note
+[Storing in a forked process]). The cache never makes a load fail: whatever goes wrong on
+the cache's side, the caller gets the original function's result and one warning.
 
 A hit must be indistinguishable from the plain load it replaces: the key covers every
 input (``Note [What a warm hit skips]`` in ``keys``); a load that draws random numbers is
@@ -21,7 +21,6 @@ hit against a plain load.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import threading
 import time
@@ -33,7 +32,13 @@ from typing import Any, NotRequired, TypedDict, TypeVar, cast
 from overmind_lab._client import background, observe, user_code
 from overmind_lab._client import keys as _keys
 from overmind_lab._client.client import Client, Session
-from overmind_lab._client.pickling import WritePlan, dump, load_stream
+from overmind_lab._client.pickling import (
+    WritePlan,
+    dump,
+    hook_counter,
+    load_stream,
+    set_hook_counter,
+)
 from overmind_lab._client.segments import map_segment, write_segment
 from overmind_lab._client.sources import SourceFile, SourceMap
 from overmind_lab._common.messages import WireEntry
@@ -64,6 +69,9 @@ class Meta(TypedDict):
     observed: dict[str, Any]  # warnings and log records to replay (observe.Observed)
     #: the user's code in the result: "module:qualname" -> digest (``user_code.graph_code``)
     code: NotRequired[dict[str, str]]
+    #: the stream has hooks or hook handles: torch's hook counter before and after the
+    #: original load, to renumber them (Note [Hook ids] in ``pickling``)
+    hooks: NotRequired[list[int]]
 
 
 @dataclass
@@ -266,9 +274,11 @@ def _load_with(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
     # We hold the lease: load it here, then park it. An exception from fn propagates
     # unchanged; closing the session releases the lease for the next waiter.
     rng_before = observe.snapshot()
+    counter_before = hook_counter()
     with observe.Capture() as capture:
         result = _plain(fn, args, kwargs)
     cold = time.perf_counter() - start
+    taken = (counter_before, hook_counter())  # Note [Hook ids] in ``pickling``
     drawn = observe.changed(rng_before, observe.snapshot())
     if drawn:
         # Note [Loads that draw random numbers]: a load that moved a random generator
@@ -287,7 +297,7 @@ def _load_with(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
         return result
     if background.wanted(result):
         def store() -> None:
-            _store(session, info, result, cold, components, capture.observed, rebuild=False)
+            _store(session, info, result, cold, components, capture.observed, taken)
 
         if background.start(store, info.key, info.name, _report_background,
                             keep_fds=[session.chan.sock.fileno()]):
@@ -303,22 +313,21 @@ def _load_with(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
             return result
     failure: BaseException | None = None
     try:
-        obj = _store(session, info, result, cold, components, capture.observed)
-    except (OvermindError, OSError) as exc:
+        _store(session, info, result, cold, components, capture.observed, taken)
+    except Exception as exc:  # noqa: BLE001 - Note [Never worse than plain]
         failure = exc
     if failure is not None:
-        _warn_not_stored(info.key, info.name, str(failure), isinstance(failure, NotCacheable))
+        reason = _failure_text(failure)
+        _warn_not_stored(info.key, info.name, reason,
+                         isinstance(failure, NotCacheable) or not isinstance(
+                             failure, (OvermindError, OSError)))
         _emit(LoadEvent(info.key, info.name, "uncached", time.perf_counter() - start,
-                        reason=str(failure)))
+                        reason=reason))
         return result
+    _keys.remember(result, info.key)
     _emit(LoadEvent(info.key, info.name, "cold", time.perf_counter() - start,
                     cold_seconds=cold, reason=stale))
-    if obj is not result:
-        del result
-        # The loader's own copy is gone: give its pages back, off the caller's path
-        # (0.05-0.15 s for an SD UNet; ``malloc_trim`` runs without the GIL).
-        threading.Thread(target=_trim_heap, name="overmind-lab-trim", daemon=True).start()
-    return obj  # type: ignore[no-any-return]
+    return result
 
 
 class _CodeChanged(Exception):
@@ -358,6 +367,26 @@ def _lookup(session: Session,
     raise AssertionError("unreachable")
 
 
+# Note [Never worse than plain]: the cache may make a load faster, never different and
+# never failing. So:
+# - a first load returns the loader's own object, stored or not: it *is* the plain load,
+#   and nothing of it happens that a plain load would not make happen (a rebuilt copy in
+#   its place would let the original be collected, and its finalisers run; its storages
+#   would sit at other addresses). Later loads, in any process, are rebuilt from the
+#   entry (``_hit``), and the fingerprint proves them equal to a plain load;
+# - any exception while pickling, reserving, writing or storing (pickle raises far more
+#   than ``PicklingError``: ``RuntimeError`` from a parametrization, ``NotImplementedError``
+#   from a C type) makes the load uncached with one warning naming the cause; the entry is
+#   never stored (the daemon drops a reservation whose session ends without ``store``);
+# - any exception while rebuilding a hit evicts the entry and loads plainly, with one
+#   warning;
+# - exceptions of the loader itself reach the caller unchanged (Note [Clean exceptions]).
+def _failure_text(exc: BaseException) -> str:
+    if isinstance(exc, (OvermindError, OSError)):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
 def _warn_not_stored(key: str, name: str, error: str, not_cacheable: bool) -> None:
     verb = "not cached" if not_cacheable else "could not be cached"
     _warn_once(f"store:{key}:{error}", f"{name} was loaded but {verb}: {error}")
@@ -373,14 +402,17 @@ def _hit(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
          kwargs: dict[str, Any], info: _keys.KeyInfo, start: float, entry: WireEntry,
          fds: list[int], components: dict[str, Any]) -> T:
     rng_before = observe.snapshot() if _verify_on() else None
+    hooks_before = hook_counter()
     rebuild_error: BaseException | None = None
     try:
         obj = _rebuild(entry, fds, components)
     except Exception as exc:  # noqa: BLE001 - any rebuild failure means: load it
         rebuild_error = exc
-    if rebuild_error is not None:
+    if rebuild_error is not None:  # Note [Never worse than plain]
         _warn_once(f"rebuild:{info.key}", f"could not rebuild {info.name} from the "
                                           f"cache ({rebuild_error!r}); loading it from source")
+        with contextlib.suppress(OvermindError, OSError):
+            session.evict(info.key)
         result = _plain(fn, args, kwargs)
         _emit(LoadEvent(info.key, info.name, "uncached", time.perf_counter() - start,
                         reason=f"rebuild failed: {rebuild_error}"))
@@ -390,7 +422,7 @@ def _hit(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
     seconds = time.perf_counter() - start
     verified: bool | None = None
     if rng_before is not None:
-        plain, mismatch = _verify(fn, args, kwargs, obj, observed, rng_before)
+        plain, mismatch = _verify(fn, args, kwargs, obj, observed, rng_before, hooks_before)
         verified = mismatch is None
         if mismatch is not None:
             warnings.warn(f"overmind-lab: warm hit of {info.name} differs from plain load "
@@ -409,24 +441,29 @@ def _hit(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
 
 def _verify(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
             warm: Any, observed: observe.Observed,
-            rng_before: dict[str, Any]) -> tuple[Any, str | None]:
+            rng_before: dict[str, Any], hooks_before: int) -> tuple[Any, str | None]:
     """Load plainly from the same generator state and compare with the hit.
 
     Returns the plain result and the first difference (``None`` when they are equal).
     The generators are left as the plain load leaves them.
     """
-    from overmind_lab._client.verify import difference
+    from overmind_lab._common.fingerprint import compare
 
     rng_warm = observe.snapshot()
+    hooks_warm = hook_counter()
     observe.restore(rng_before)
+    set_hook_counter(hooks_before)  # the plain load takes the ids the hit took
     with observe.Capture(emit=False) as capture:
         plain = _plain(fn, args, kwargs)
     rng_plain = observe.snapshot()
-    found = difference(warm, plain)
+    found = compare(warm, plain)
     if found is None:
         drawn = observe.changed(rng_warm, rng_plain)
         if drawn:
             found = f"the random generators' state after the load ({', '.join(drawn)})"
+        elif hook_counter() != hooks_warm:
+            found = (f"torch's hook id counter after the load: {hooks_warm} vs "
+                     f"{hook_counter()}")
     # What the plain load said must be among what the hit replayed. Not the reverse: a
     # plain load in a process that has shown a once-only message (the default warnings
     # filter, transformers' ``warning_once``) stays silent where a hit replays it.
@@ -437,17 +474,15 @@ def _verify(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any
 
 
 def _store(session: Session, info: _keys.KeyInfo, result: Any, cold: float,
-           components: dict[str, Any], observed: observe.Observed, *,
-           rebuild: bool = True) -> Any:
-    """Park ``result`` in a new segment; return the object rebuilt from the cache (with
-    ``rebuild``, else ``None``)."""
+           components: dict[str, Any], observed: observe.Observed,
+           hooks_taken: tuple[int, int]) -> None:
+    """Park ``result`` in a new segment (Note [Never worse than plain])."""
     from overmind_lab._errors import ProtocolError
 
     t0 = time.perf_counter()
     by_id = {id(v): k for k, v in components.items()}
     stream, plan, kind = dump(result, by_id, sources=SourceMap())
     code = user_code.graph_code(plan.classes)  # Note [Code that changed under an entry]
-    expected = type(result)
     try:
         linked = _link_sources(session, info.key, plan)
         if len(linked) < len(plan.files):  # some cannot be linked: copy their storages
@@ -480,6 +515,8 @@ def _store(session: Session, info: _keys.KeyInfo, result: Any, cold: float,
                   "buffers": plan.buffers, "observed": observed.to_json()}
     if code:
         meta["code"] = code
+    if plan.hooks:
+        meta["hooks"] = list(hooks_taken)
     session.store({
         "op": "store", "key": info.key, "name": info.name,
         "class": f"{type(result).__module__}.{type(result).__qualname__}",
@@ -489,18 +526,6 @@ def _store(session: Session, info: _keys.KeyInfo, result: Any, cold: float,
         "store_seconds": time.perf_counter() - t0, "call": info.call,
         "validate": info.validate,
     })
-    if not rebuild:
-        return None
-    # Rebuild from the segment, as every later process will: the loader's own copy can
-    # be freed, and the result carries its provenance (Note [Provenance]).
-    entry, fds = session.lookup(info.key, own=True)
-    if entry is None:
-        raise OvermindError("the entry vanished right after it was stored")
-    obj = _rebuild(entry, fds, components)
-    if type(obj) is not expected:  # Note [Classes by reference] makes this unreachable
-        session.evict(info.key)
-        raise NotCacheable(f"it came back from the cache as {type(obj)!r}, not {expected!r}")
-    return obj
 
 
 def _link_sources(session: Session, key: str, plan: WritePlan) -> dict[str, str]:
@@ -533,12 +558,9 @@ def _components(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]
     return found
 
 
-def _trim_heap() -> None:
-    """Return freed heap pages to the system (glibc keeps them for reuse otherwise)."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
+def _pair(value: Any) -> tuple[int, int] | None:
+    return (int(value[0]), int(value[1])) if isinstance(value, list) and len(value) == 2 \
+        else None
 
 
 def _rebuild(entry: WireEntry, fds: list[int], components: dict[str, Any]) -> Any:
@@ -563,7 +585,8 @@ def _rebuild(entry: WireEntry, fds: list[int], components: dict[str, Any]) -> An
     stream = mappings[seg].view(offset, length)
     try:
         obj = load_stream(stream, meta["pickler"], mappings,
-                          [(a, b, c) for a, b, c in meta.get("buffers", [])], components)
+                          [(a, b, c) for a, b, c in meta.get("buffers", [])], components,
+                          hooks=_pair(meta.get("hooks")))
     finally:
         stream.release()
     _keys.remember(obj, entry["key"])

@@ -43,8 +43,18 @@ from overmind_lab._errors import NotCacheable
 
 __all__ = ["WritePlan", "dump", "load_stream", "ALIGN"]
 
-#: Storages start at multiples of this (SIMD kernels like aligned data).
+#: Storages keep their address modulo this (Note [Addresses modulo 64]).
 ALIGN = 64
+
+# Note [Addresses modulo 64]: a storage copied into a segment starts at an offset that
+# is, modulo 64, what its address was in the loader's result; segments are mapped at page
+# boundaries, so a warm tensor's ``data_ptr() % 64`` is the plain load's. It matters for
+# more than looks: torch's CPU kernels pick vectorised or scalar paths, and split their
+# reductions, by alignment, so the same bytes at another alignment give outputs that
+# differ in the last bits (a small UNet's output by up to 5e-7). A plain safetensors load
+# leaves small tensors where the file has them (4, 24, 36, 56 modulo 64); a dtype-converted
+# one has them where the allocator put them (0). Storages referenced in a source file keep
+# the file's offsets, hence its alignment, by themselves.
 #: PickleBuffers smaller than this stay in the stream.
 MIN_OUT_OF_BAND = 64 * 1024
 
@@ -71,11 +81,15 @@ class WritePlan:
     buffers: list[tuple[int, int, int]] = field(default_factory=list)
     tensors: int = 0
     shared_bytes: int = 0
+    #: a module with hooks, or a hook handle, is in the stream (Note [Hook ids])
+    hooks: bool = False
     #: the classes and functions the stream names (for ``user_code.graph_code``)
     classes: list[Any] = field(default_factory=list)
 
-    def place(self, data: Any, nbytes: int) -> int:
-        offset = _align(self.size)
+    def place(self, data: Any, nbytes: int, phase: int = 0) -> int:
+        """Put ``nbytes`` of ``data`` at the next offset that is ``phase`` modulo
+        ``ALIGN`` (Note [Addresses modulo 64])."""
+        offset = _align(self.size) + phase
         self.items.append((offset, data))
         self.size = offset + nbytes
         return offset
@@ -97,8 +111,10 @@ class WritePlan:
         nbytes = int(untyped.nbytes())
         device = str(untyped.device)
         ptr = int(untyped.data_ptr())
-        memo = (ptr, nbytes, device)
-        if memo in self.seen and nbytes:
+        # An empty storage has no address to tell it by: by identity, and each at an
+        # offset of its own, so that the rebuild (by location) tells them apart too.
+        memo = (ptr, nbytes, device) if nbytes else (-int(untyped._cdata), 0, device)
+        if memo in self.seen:
             return self.seen[memo]
         self.tensors += 1
         if untyped.device.type != "cpu":
@@ -120,7 +136,8 @@ class WritePlan:
             placed = (self.ref_index(source[0]), source[1])
             self.source_bytes += nbytes
         else:
-            placed = (0, self.place(buf, nbytes))
+            placed = (0, self.place(buf, nbytes, ptr % ALIGN))
+            self.size += not nbytes
         self.seen[memo] = placed
         return placed
 
@@ -147,11 +164,18 @@ def reduce_tensor(t: Any, is_param: bool, plan: WritePlan) -> Any:
     if (t.layout is not torch.strided or t.device.type != "cpu" or t.is_quantized
             or t.is_conj() or t.is_neg() or t.grad_fn is not None
             or getattr(t, "_backward_hooks", None) or t.is_nested):
+        if (t.layout is not torch.strided and t.requires_grad and t.grad_fn is None
+                and not is_param):
+            # torch's own reduction of a sparse tensor drops requires_grad (a
+            # Parameter's keeps it): the flag and the attributes go beside it.
+            return (_requiring_grad, (t.detach(), dict(t.__dict__) or None))
         return NotImplemented
     untyped = t.untyped_storage()
     seg, offset = plan.reduce_storage(untyped)
     nbytes = int(untyped.nbytes())
     state = dict(t.__dict__) or None
+    if t.grad is not None:  # torch's own reduction drops it; a plain load keeps it
+        state = {**(state or {}), _GRAD: t.grad}
     size = tuple(t.size())
     if (nbytes and t.storage_offset() == 0 and t.stride() == _row_major(size)
             and t.numel() * t.element_size() == nbytes):
@@ -159,6 +183,13 @@ def reduce_tensor(t: Any, is_param: bool, plan: WritePlan) -> Any:
                                 is_param, state))
     return (rebuild_tensor, (seg, offset, nbytes, t.storage_offset(), size, t.stride(),
                              t.dtype, t.requires_grad, is_param, state))
+
+
+def _requiring_grad(t: Any, state: dict[str, Any] | None) -> Any:
+    t.requires_grad_(True)
+    if state:
+        t.__dict__.update(state)
+    return t
 
 
 def _row_major(size: tuple[int, ...]) -> tuple[int, ...]:
@@ -186,7 +217,7 @@ def rebuild_whole(seg: int, offset: int, nbytes: int, size: tuple[int, ...], dty
     frame = _frame()
     key = (seg, offset, nbytes)
     np_dtype = frame.numpy_dtypes.get(dtype)
-    if np_dtype is None or key in frame.memo:
+    if np_dtype is None or key in frame.memo or offset % dtype.itemsize:
         return rebuild_tensor(seg, offset, nbytes, 0, size, _row_major(size), dtype,
                               requires_grad, is_param, state)
     t = frame.from_numpy(frame.ndarray(size, np_dtype, frame.buffers[seg], offset))
@@ -213,6 +244,10 @@ def rebuild_tensor(seg: int, offset: int, nbytes: int, storage_offset: int,
     return _finish(frame, t, requires_grad, is_param, state)
 
 
+#: The key of a tensor's ``.grad`` in the state ``reduce_tensor`` passes (not a name).
+_GRAD = "\x00grad"
+
+
 def _finish(frame: _Frame, t: Any, requires_grad: bool, is_param: bool,
             state: dict[str, Any] | None) -> Any:
     if is_param:
@@ -220,6 +255,9 @@ def _finish(frame: _Frame, t: Any, requires_grad: bool, is_param: bool,
     elif requires_grad:
         t.requires_grad_(True)
     if state:
+        if _GRAD in state:
+            state = dict(state)
+            t.grad = state.pop(_GRAD)
         t.__dict__.update(state)
     return t
 
@@ -311,11 +349,167 @@ def _set_module_state(module: Any, compact: tuple[Any, ...]) -> None:
         module.__setstate__(state)
 
 
+# Note [Modules with slots]: ``Module.__getstate__`` returns the instance's ``__dict__``,
+# so a module class with ``__slots__`` loses its slot values in torch's own pickling (a
+# warm hit would raise AttributeError where the plain load has the value). Such a module,
+# if its class does not customise ``__reduce__``, is pickled as the object, what its
+# ``__getstate__`` gives, and its slots that are set.
+_SLOTS: dict[type, tuple[str, ...]] = {}
+
+
+def _module_slots(cls: type) -> tuple[str, ...]:
+    known = _SLOTS.get(cls)
+    if known is not None:
+        return known
+    names: list[str] = []
+    for klass in cls.__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            if name.startswith("__") and not name.endswith("__"):
+                name = f"_{klass.__name__.lstrip('_')}{name}"
+            if name not in names:
+                names.append(name)
+    known = _SLOTS[cls] = tuple(names)
+    return known
+
+
+def _slotted_module(cls: type) -> bool:
+    import torch
+
+    return (issubclass(cls, torch.nn.Module) and bool(_module_slots(cls))
+            and cls.__reduce_ex__ is object.__reduce_ex__
+            and cls.__reduce__ is object.__reduce__)
+
+
+def reduce_slotted_module(module: Any) -> Any:
+    slots = {}
+    for name in _module_slots(type(module)):
+        try:
+            slots[name] = object.__getattribute__(module, name)
+        except AttributeError:
+            continue  # unset: stays unset
+    return (_NEWOBJ, (type(module),), (module.__getstate__(), slots), None, None,
+            _set_slotted_module_state)
+
+
+def _set_slotted_module_state(module: Any, state: tuple[Any, dict[str, Any]]) -> None:
+    module.__setstate__(state[0])
+    for name, value in state[1].items():
+        object.__setattr__(module, name, value)
+
+
 @functools.lru_cache(maxsize=1)
 def _module_setstate() -> Any:
     import torch
 
     return torch.nn.Module.__setstate__
+
+
+# Note [Attributes in their order]: ``OrderedDict.__reduce__`` rebuilds an instance by
+# calling its class, then sets the saved attributes. A subclass whose ``__init__`` sets an
+# attribute of its own (diffusers' ``FrozenDict``, every diffusers config, sets
+# ``__frozen`` last) then has that attribute first: ``vars(config)`` comes back in another
+# order than the plain load's. Such objects (OrderedDict subclasses with an attribute
+# dict and the default reduction) are made without ``__init__`` (``__new__``, as pickle
+# makes plain objects), get their items, then exactly the saved attribute dict.
+def _ordered_with_attributes(cls: type) -> bool:
+    return (issubclass(cls, OrderedDict) and cls is not OrderedDict
+            and cls.__reduce__ is OrderedDict.__reduce__ and cls.__dictoffset__ != 0
+            and getattr(cls, "__setstate__", None) is None
+            and cls not in copyreg.dispatch_table)
+
+
+def reduce_ordered(obj: Any) -> Any:
+    return (_NEWOBJ, (type(obj),), dict(obj.__dict__), None, iter(obj.items()),
+            _set_attribute_dict)
+
+
+def _set_attribute_dict(obj: Any, state: dict[str, Any]) -> None:
+    object.__setattr__(obj, "__dict__", state)
+
+
+def _has_hooks(module: Any) -> bool:
+    state = getattr(module, "__dict__", {})
+    return any(state.get(table) for table in _HOOK_TABLES)
+
+
+# Note [Hook ids]: a hook's id is its handle's number from torch's process-wide counter
+# (``RemovableHandle.next_id``), and the key of the hook in every table of its module. A
+# plain load in a fresh process numbers the hooks it registers from that process's
+# counter; a rebuilt one would keep the numbers of the process that stored it, while the
+# counter here may be lower. The user's next ``register_forward_hook`` would then get an
+# id the model already uses: it silently replaces that hook, and removing it removes
+# both. So the counter is read before and after the original load (``taken``, kept in the
+# entry), and a rebuilt stream with hooks is renumbered: an id the load took, ``before +
+# i``, becomes ``start + i`` where ``start`` is this process's counter, in every hook table
+# (in place: handles hold weak references to the tables) and on every handle, and the
+# counter ends where the plain load would leave it. Keys the load did not take from the
+# counter stay as they are. Streams without hooks (nearly all) skip the walk
+# (``WritePlan.hooks``); verify mode sets the counter back before its plain load, so both
+# take the same ids.
+def hook_counter() -> int:
+    """torch's hook id counter now (0 before torch is imported: nothing took an id)."""
+    hooks = sys.modules.get("torch.utils.hooks")
+    return int(hooks.RemovableHandle.next_id) if hooks is not None else 0
+
+
+def set_hook_counter(value: int) -> None:
+    """Set torch's hook id counter (verify mode: the plain load takes the hit's ids)."""
+    hooks = sys.modules.get("torch.utils.hooks")
+    if hooks is not None:
+        hooks.RemovableHandle.next_id = value
+
+
+def renumber_hooks(obj: Any, start: int, taken: tuple[int, int]) -> None:
+    """Give the hooks of a rebuilt object the ids a plain load here would give them.
+
+    ``start`` is this process's counter before the stream was unpickled (unpickling a
+    handle moves it); ``taken`` the counter before and after the original load, in the
+    process that stored it: an id ``i`` it took becomes ``start + i - before``, and the
+    counter ends at ``start + after - before``, as after a plain load that registers the
+    same hooks in the same order. Other keys (not taken from the counter by that load)
+    stay as they are, as they would in a plain load."""
+    import torch
+    from torch.utils.hooks import RemovableHandle
+
+    modules: list[Any] = []
+    handles: list[Any] = []
+    seen: set[int] = set()
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if id(item) in seen or item is None or isinstance(item, (str, bytes, int, float,
+                                                                 torch.Tensor, type)):
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.nn.Module):
+            modules.append(item)
+        elif isinstance(item, RemovableHandle):
+            handles.append(item)
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            stack.extend(item)
+        state = getattr(item, "__dict__", None)
+        if isinstance(state, dict):
+            stack.extend(state.values())
+    tables = [t for m in modules for t in (m.__dict__.get(n) for n in _HOOK_TABLES)
+              if isinstance(t, dict) and t]
+    before, after = taken
+    new = {k: start + k - before
+           for k in {k for t in tables for k in t if isinstance(k, int)}
+           | {h.id for h in handles if isinstance(getattr(h, "id", None), int)}
+           if before <= k < after}
+    end = start + after - before
+    for table in tables:
+        items = list(table.items())
+        table.clear()
+        table.update((new.get(k, k), v) for k, v in items)
+    for handle in handles:
+        handle.id = new.get(handle.id, handle.id)
+    RemovableHandle.next_id = end
 
 
 _BPE_OPTIONS = ("dropout", "unk_token", "continuing_subword_prefix", "end_of_word_suffix",
@@ -335,14 +529,33 @@ def reduce_tokenizer(tok: Any) -> Any:
                                                          *_BPE_OPTIONS}:
         return NotImplemented
     vocab = model["vocab"]
-    # The added tokens must find their ids while the stub loads.
-    keep = {t["content"] for t in state.get("added_tokens", [])} | {model.get("unk_token")}
-    stub = dict(state, model=dict(model, vocab={k: vocab[k] for k in keep if k in vocab},
-                                  merges=[]))
+    # The added tokens must find their own ids while the stub loads: the library gives an
+    # added token that its model lacks the next id after the *stub's* vocabulary, so the
+    # stub's vocabulary holds every added token at its id (chat markers such as
+    # <|im_start|> are outside the base vocabulary), and the unknown token.
+    added = {t["content"]: t["id"] for t in state.get("added_tokens", [])}
+    unk = model.get("unk_token")
+    stub_vocab = {**({unk: vocab[unk]} if unk in vocab else {}), **added}
+    if len(set(stub_vocab.values())) != len(stub_vocab):
+        return NotImplemented  # two names for one id: leave it to the library
+    stub = dict(state, model=dict(model, vocab=stub_vocab, merges=[]))
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1))
               for m in model["merges"]]
-    options = {k: model[k] for k in _BPE_OPTIONS if k in model}
-    return (rebuild_tokenizer, (json.dumps(stub), vocab, merges, options))
+    options = {k: model[k] for k in _BPE_OPTIONS if model.get(k) is not None}
+    # Attributes set on the object itself come back too: transformers' CLIPTokenizer
+    # replaces the backend's ``decode`` with a wrapper (a local function: the stream then
+    # goes through dill, which pickles it by value).
+    attributes = dict(getattr(tok, "__dict__", None) or {})
+    if not attributes:
+        return (rebuild_tokenizer, (json.dumps(stub), vocab, merges, options))
+    return (rebuild_tokenizer, (json.dumps(stub), vocab, merges, options), attributes,
+            None, None, _update_attributes)
+
+
+def _update_attributes(obj: Any, attributes: dict[str, Any]) -> None:
+    """Set attributes saved from an object's dict (its own ``__setstate__`` expects
+    something else, as ``tokenizers.Tokenizer``'s expects its JSON)."""
+    obj.__dict__.update(attributes)
 
 
 def rebuild_tokenizer(stub: str, vocab: dict[str, int], merges: list[tuple[str, str]],
@@ -384,8 +597,10 @@ def rebuild_rehashed(cls: type[Any], state: dict[str, Any], current: bool) -> An
 def _make_pickler(base: type, file: io.BytesIO, plan: WritePlan,
                   components: dict[int, str]) -> Any:
     import torch
+    from torch.utils.hooks import RemovableHandle
 
-    # type -> "typed" or "untyped" (storages), "module" (Note [Modules in one call]), ""
+    # type -> "typed" or "untyped" (storages), "module" (Note [Modules in one call]),
+    # "hooks" (other modules and hook handles: Note [Hook ids]), "code", ""
     kinds: dict[type, str] = {}
     compact_modules = _module_layout_known()
 
@@ -412,10 +627,25 @@ def _make_pickler(base: type, file: io.BytesIO, plan: WritePlan,
                     "code" if issubclass(cls, type) or cls is types.FunctionType
                     else "typed" if issubclass(cls, torch.storage.TypedStorage)
                     else "untyped" if issubclass(cls, torch.UntypedStorage)
+                    else "slotted" if _slotted_module(cls)
                     else "module" if compact_modules and _default_module_pickling(cls)
+                    else "hooks" if issubclass(cls, (torch.nn.Module, RemovableHandle))
+                    else "ordered" if _ordered_with_attributes(cls)
                     else "")
+            if kind == "slotted":  # Note [Modules with slots]
+                plan.hooks = plan.hooks or _has_hooks(obj)
+                return reduce_slotted_module(obj)
             if kind == "module":
-                return reduce_module(obj)
+                reduced = reduce_module(obj)
+                if reduced is NotImplemented:
+                    plan.hooks = plan.hooks or _has_hooks(obj)
+                return reduced
+            if kind == "ordered":
+                return reduce_ordered(obj)
+            if kind == "hooks":  # Note [Hook ids]
+                plan.hooks = plan.hooks or not isinstance(obj, torch.nn.Module) or _has_hooks(
+                    obj)
+                return NotImplemented
             if kind == "code":  # a class or function, once per stream (then memoized)
                 plan.classes.append(obj)
                 return NotImplemented
@@ -473,11 +703,13 @@ def dump(obj: Any, components: dict[int, str] | None = None, *,
                     warnings.simplefilter("ignore", _dill().PicklingWarning)
                     pickler.dump(obj)
             return file.getvalue(), plan, kind
-        except (pickle.PicklingError, TypeError, AttributeError, ValueError) as exc:
-            errors.append(exc)
         except RecursionError as exc:
             raise NotCacheable(f"the result is nested too deeply to pickle: {exc}") from exc
-    raise NotCacheable(f"the result cannot be pickled: {errors[-1]}") from errors[-1]
+        except Exception as exc:  # noqa: BLE001 - whatever a reducer raises: try dill, then
+            errors.append(exc)  # give up (Note [Never worse than plain] in ``load``)
+    first = errors[0]
+    raise NotCacheable(f"the result cannot be pickled: {type(first).__name__}: {first}"
+                       ) from first
 
 
 def _dill() -> Any:
@@ -600,7 +832,8 @@ def _make_unpickler(base: type, file: io.BytesIO, buffers: list[memoryview]) -> 
 
 def load_stream(stream: memoryview, kind: str, mappings: list[Mapping],
                 buffer_locations: list[tuple[int, int, int]],
-                components: dict[str, Any] | None = None) -> Any:
+                components: dict[str, Any] | None = None, *,
+                hooks: tuple[int, int] | None = None) -> Any:
     """Rebuild an object from its stream and mapped segments (and passed components).
 
     Note [No collection while rebuilding]: the cyclic garbage collector is off while the
@@ -618,9 +851,13 @@ def load_stream(stream: memoryview, kind: str, mappings: list[Mapping],
     base = pickle.Unpickler if kind == "pickle" else _dill().Unpickler
     _loading.stack.append(frame)
     collecting = gc.isenabled()
+    counter = hook_counter() if hooks else 0
     gc.disable()
     try:
-        return _make_unpickler(base, io.BytesIO(stream), buffers).load()
+        obj = _make_unpickler(base, io.BytesIO(stream), buffers).load()
+        if hooks:
+            renumber_hooks(obj, counter, hooks)
+        return obj
     finally:
         if collecting:
             gc.enable()
