@@ -212,3 +212,32 @@ def hooked_model() -> torch.nn.Module:
 
 def _identity_pre_hook(module: torch.nn.Module, args: Any) -> None:
     return None
+
+
+def weight_normed(n: int) -> torch.nn.Module:
+    """A module with a parametrization: torch refuses to pickle it (``RuntimeError``)."""
+    layer = torch.nn.utils.skip_init(torch.nn.Linear, n, n)
+    with torch.no_grad():
+        layer.weight.copy_(torch.arange(n * n, dtype=torch.float32).view(n, n))
+        layer.bias.zero_()
+    return torch.nn.utils.parametrizations.weight_norm(layer)
+
+
+FINALISED: list[int] = []
+
+
+class Finalised(torch.nn.Module):
+    """Records when it is finalised (a plain load's result lives as long as the caller
+    holds it)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+        self.register_buffer("w", torch.zeros(n))
+
+    def __del__(self) -> None:
+        FINALISED.append(self.n)
+
+
+def finalised(n: int) -> Finalised:
+    return Finalised(n)

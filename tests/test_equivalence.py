@@ -12,6 +12,7 @@ import torch
 
 import overmind_lab
 from overmind_lab import Client, OvermindError, OvermindWarning, VerifyMismatch
+from overmind_lab._common.fingerprint import compare
 from tests import loaders
 
 TINY_LLAMA = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -235,3 +236,27 @@ def test_verify_mode_is_switched_on_by_the_environment(
     monkeypatch.setenv("OVERMIND_LAB_VERIFY", "0")
     _, event = _load(loaders.sized_load, 4096, "env")
     assert event.verified is None
+
+
+def test_a_result_pickle_refuses_loads_plainly_with_one_warning(daemon: Client) -> None:
+    # Note [Never worse than plain]: torch raises RuntimeError (not PicklingError) for a
+    # parametrized module; the load is uncached, with one warning, and nothing is stored.
+    plain = loaders.weight_normed(4)
+    with pytest.warns(overmind_lab.OvermindWarning, match="not cached: .*RuntimeError"):
+        first, event = _load(loaders.weight_normed, 4)
+    assert event.outcome == "uncached"
+    again, event = _load(loaders.weight_normed, 4)
+    assert event.outcome == "uncached" and Client().entries() == []
+    x = torch.ones(4)
+    assert torch.equal(first(x), plain(x)) and torch.equal(again(x), plain(x))
+
+
+def test_a_first_load_is_the_loaders_own_object_and_no_finaliser_runs(
+        daemon: Client) -> None:
+    loaders.FINALISED.clear()
+    first, event = _load(loaders.finalised, 3)
+    assert event.outcome == "cold" and loaders.FINALISED == []
+    assert overmind_lab.key_of(first) == event.key  # a component by reference later
+    warm, event = _load(loaders.finalised, 3)
+    assert event.outcome == "warm" and loaders.FINALISED == []
+    assert compare(warm, first) is None
