@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from overmind_lab import Client
-from tests.test_disk_cache import HERE, SIZED, cache_dir, sized_child, wait_saved
+from tests.test_disk_cache import HERE, SIZED, cache_dir, log_text, sized_child, wait_saved
 
 NBYTES = 24 << 20
 TRIALS = int(os.environ.get("OVERMIND_LAB_KILL_TRIALS", "3"))
@@ -66,7 +66,8 @@ def settle(client: Client, tag: str) -> None:
     assert again["sum"] == expected(tag) and again["outcome"] in ("warm", "cold"), again
     wait_saved(client)
     assert list(cache_dir().glob("*.tmp")) == []
-    assert sized_child(NBYTES, tag)["outcome"] == "warm"
+    last = sized_child(NBYTES, tag)
+    assert last["outcome"] == "warm", (again, last, log_text(client.path)[-4000:])
 
 
 def test_kill_9_of_the_daemon_at_random_points_of_a_store(daemon: Client,
