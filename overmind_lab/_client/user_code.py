@@ -246,6 +246,12 @@ def _process_start_ns() -> int:
         return 0
 
 
+# Read when this module is imported (~30 µs), before the load it serves: a process forked
+# later to store a result in the background (``background``) runs its parent's code and
+# must judge files by its parent's start, not by the fork's.
+_process_start_ns()
+
+
 # Note [A file changed under a running process]: the digest of a module file is of the
 # file as it is on disk, but the process runs the code it imported. When the user edits
 # a module after this process imported it (a notebook kernel left running, no
