@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -256,3 +257,47 @@ def test_a_store_is_durable_once_saved_and_never_half_there_before(daemon: Clien
     wait_saved(daemon)
     kill_and_restart(daemon)
     assert sized_child(nbytes, "k") == {"outcome": "warm", "sum": first["sum"]}
+
+
+HELD: dict[str, Any] = {}
+
+
+def combine(path: str) -> dict[str, Any]:
+    """A result that references a cached segment (``HELD["t"]``, from a warm load, not an
+    argument: arguments that are cached objects enter by their key) before a source file
+    (the safetensors file, mapped)."""
+    from safetensors.torch import load_file
+
+    return {"t": HELD["t"], "w": load_file(path)["a"]}
+
+
+COMBINE = """
+import json, sys
+sys.path.insert(0, {here!r})
+import overmind_lab
+from tests.loaders import sized_load
+from tests.test_daemon_integrity import HELD, combine
+overmind_lab.load(sized_load, 1 << 16, "ab")
+HELD["t"] = overmind_lab.load(sized_load, 1 << 16, "ab")  # warm: a cached segment's
+with overmind_lab.record_loads() as events:
+    both = overmind_lab.load(combine, {path!r})
+print(json.dumps({{"outcome": events[-1].outcome, "t": float(both["t"].sum()),
+                  "w": float(both["w"].double().sum())}}))
+"""
+
+
+def test_an_entry_with_a_reference_before_a_held_file_rebuilds_right(
+        daemon: Client, tmp_path: Path) -> None:
+    """Note [What an entry costs]: the held file counts as the entry's own, yet the
+    segments keep the order the client numbered them in (``Entry.order``)."""
+    weights = save_weights(tmp_path / "w.safetensors", 3.0)
+    env = {**os.environ, "OVERMIND_LAB_BACKGROUND_STORE": "never"}
+    code = COMBINE.format(here=HERE, path=str(weights))
+    want = {"t": 2.0 * (1 << 14), "w": sums(3)[0]}
+    assert last_json(run_py(code, env=env)) == {"outcome": "cold", **want}
+    wait_saved(daemon)
+    assert last_json(run_py(code, env=env)) == {"outcome": "warm", **want}
+    kill_and_restart(daemon)  # the order is saved with the entry
+    assert last_json(run_py(code, env=env)) == {"outcome": "warm", **want}
+    entry = next(e for e in daemon.entries() if "combine" in e["name"])
+    assert entry["bytes"] >= weights.stat().st_size and entry["shared_bytes"] > 0

@@ -71,10 +71,14 @@ class Entry:
     verified: int = 0  # hits that verify mode found equal to a plain load
     warm_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=WARM_HISTORY))
     refresh: RefreshState = field(default_factory=lambda: _IDLE.copy())
+    #: the segments in the order the client's ``meta`` numbers them (its segment, then
+    #: its references as it listed them), when that is not ``own + shared``: the source
+    #: files a store holds are its own (Note [What an entry costs]) wherever they appear
+    order: list[str] | None = None
 
     @property
     def segments(self) -> list[str]:
-        return self.own + self.shared
+        return self.order if self.order is not None else self.own + self.shared
 
     @property
     def warm_median(self) -> float | None:

@@ -39,7 +39,7 @@ log = logging.getLogger("overmind_lab.daemon")
 
 _FIELDS = ("key", "name", "cls", "callable", "source", "own", "shared", "meta", "tensors",
            "cold_seconds", "store_seconds", "call", "created", "last_used", "hits",
-           "validate")
+           "validate", "order")
 
 
 def snapshot(index: Index) -> dict[str, Any]:
@@ -110,6 +110,10 @@ def _entry(record: dict[str, Any]) -> Entry:
                                             "cold_seconds", "store_seconds")})
     entry.call = values.get("call")
     entry.validate = values.get("validate")
+    order = values.get("order")
+    if order is not None and sorted(order) != sorted(entry.own + entry.shared):
+        raise ValueError(f"its segment order {order!r} names other segments")
+    entry.order = order
     entry.created = float(values.get("created", entry.created))
     entry.last_used = float(values.get("last_used", entry.last_used))
     entry.hits = int(values.get("hits", 0))

@@ -428,7 +428,7 @@ class Daemon:
             tensors=int(msg.get("tensors", 0)),
             cold_seconds=float(msg.get("cold_seconds", 0.0)),
             store_seconds=float(msg.get("store_seconds", 0.0)), call=msg.get("call"),
-            validate=validate,
+            validate=validate, order=[seg.id, *refs] if own != [seg.id] else None,
         )
         replaced = self.index.get(key)
         if replaced is not None:  # a refresh in progress goes on showing on the new entry
