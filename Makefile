@@ -102,6 +102,15 @@ lint: install
 	$(VENV)/bin/ruff check overmind_lab tests examples
 	$(VENV)/bin/mypy overmind_lab
 
+# The differential fuzzer (tests/test_fuzz.py; 2 minutes in `make test`) for FUZZ_SECONDS of
+# generated examples, at most FUZZ_EXAMPLES, with the same fixed seed; it prints how many ran.
+.PHONY: fuzz
+FUZZ_SECONDS ?= 1200
+FUZZ_EXAMPLES ?= 100000
+fuzz: install
+	OVERMIND_FUZZ_SECONDS=$(FUZZ_SECONDS) OVERMIND_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) \
+		$(PY) -m pytest -q --timeout=0 tests/test_fuzz.py
+
 clean:
 	rm -rf $(VENV) build dist overmind_lab/labextension labextension/lib node_modules \
 		ui-tests/node_modules .models bench-results

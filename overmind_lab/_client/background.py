@@ -135,7 +135,10 @@ def cpu_tensor_bytes(result: Any) -> int | None:
         for tensor in (*module.parameters(), *module.buffers()):
             if tensor.device.type != "cpu":
                 return None
-            storage = tensor.untyped_storage()
+            try:
+                storage = tensor.untyped_storage()
+            except (NotImplementedError, RuntimeError):  # sparse: no storage of its own
+                continue
             ptr = storage.data_ptr()
             if ptr not in seen:
                 seen.add(ptr)
