@@ -161,6 +161,11 @@ def reduce_tensor(t: Any, is_param: bool, plan: WritePlan) -> Any:
     """
     import torch
 
+    if t.grad_fn is not None:
+        # A tensor with autograd history (the old ``weight_norm``'s ``weight``, a view of a
+        # parameter) would come back a leaf, without its ``grad_fn``: not cached.
+        raise NotCacheable(f"it holds a tensor with autograd history "
+                           f"({type(t.grad_fn).__name__}), which a rebuild would make a leaf")
     if (t.layout is not torch.strided or t.device.type != "cpu" or t.is_quantized
             or t.is_conj() or t.is_neg() or t.grad_fn is not None
             or getattr(t, "_backward_hooks", None) or t.is_nested):
