@@ -315,6 +315,13 @@ def _tensor(ts: dict[str, Any], gen: torch.Generator, made: list[torch.Tensor]) 
     return t
 
 
+def _bytes_of(t: torch.Tensor) -> bytes:
+    if t.layout is not torch.strided or t.is_quantized or not t.numel():
+        return b"\x01\x02\x03"
+    flat = t.detach().resolve_conj().resolve_neg().contiguous().view(-1)
+    return flat.view(torch.uint8).numpy().tobytes()
+
+
 def _shared(src: torch.Tensor, ts: dict[str, Any]) -> torch.Tensor:
     """A new tensor over ``src``'s storage: at an offset, or its bytes as uint8."""
     storage = src.untyped_storage()
@@ -474,6 +481,12 @@ def _module_tree(data: dict[str, Any], gen: torch.Generator) -> nn.Module:
             sub = nn.Module()
             sub.register_buffer("value", t, persistent=item.get("persistent", True))
             net.add_module(name, sub)
+        elif where == "numpy":  # an array of the tensor's bytes (large ones out of band)
+            import numpy
+
+            reps = int(item.get("repeat", 1))
+            raw = numpy.frombuffer(_bytes_of(t) * reps, dtype=numpy.uint8)
+            setattr(net, name, raw if not item.get("strided") else raw[::2])
         else:
             raise ValueError(f"unknown place {where!r}")
     if not data.get("training", True):
@@ -538,7 +551,13 @@ def _tokenizer(data: dict[str, Any]) -> Any:
     if data.get("wrap"):
         from transformers import PreTrainedTokenizerFast
 
-        return PreTrainedTokenizerFast(tokenizer_object=tok, **data.get("wrap_kwargs", {}))
+        wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, **data.get("wrap_kwargs", {}))
+        extra = data.get("extra_special")
+        if extra:
+            wrapped.add_special_tokens({"additional_special_tokens": extra})
+        for name, value in data.get("wrap_attrs", {}).items():
+            setattr(wrapped, name, value)
+        return wrapped
     return tok
 
 
@@ -649,9 +668,12 @@ def tensor_specs(draw: st.DrawFn, param: bool = False) -> dict[str, Any]:
 @st.composite
 def extras(draw: st.DrawFn) -> dict[str, Any]:
     where = draw(st.sampled_from(("param", "buffer", "buffer", "plist", "pdict", "attr",
-                                  "list", "slotted", "state", "reduce", "sub")))
+                                  "list", "slotted", "state", "reduce", "sub", "numpy")))
     item: dict[str, Any] = {"where": where,
                             "tensor": draw(tensor_specs(where in ("param", "plist", "pdict")))}
+    if where == "numpy":
+        item["repeat"] = draw(st.sampled_from((1, 1, 1000, 40000)))
+        item["strided"] = draw(st.booleans())
     if where in ("buffer", "sub"):
         item["persistent"] = draw(st.booleans())
     if where == "slotted":
@@ -753,6 +775,17 @@ def tokenizer_specs(draw: st.DrawFn) -> dict[str, Any]:
             if draw(st.integers(0, 2)) == 0:
                 wrap_kwargs[name] = draw(st.sampled_from(("<s>", "</s>", "[UNK]", "<pad>")))
         spec["wrap_kwargs"] = wrap_kwargs
+        if draw(st.booleans()):
+            spec["extra_special"] = draw(st.lists(st.sampled_from(
+                ("<|im_start|>", "<extra_0>", "a", "[INST]")), max_size=2, unique=True))
+        attrs: dict[str, Any] = {}
+        if draw(st.booleans()):
+            attrs["padding_side"] = draw(st.sampled_from(("left", "right")))
+        if draw(st.booleans()):
+            attrs["model_max_length"] = draw(st.sampled_from((16, 2048)))
+        if draw(st.booleans()):
+            attrs["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        spec["wrap_attrs"] = attrs
     return spec
 
 
@@ -778,6 +811,14 @@ def config_specs(draw: st.DrawFn) -> dict[str, Any]:
             fields["tie_word_embeddings"] = draw(st.booleans())
         if draw(st.booleans()):
             fields["rms_norm_eps"] = draw(st.sampled_from((1e-5, 1e-6)))
+        if draw(st.booleans()):
+            fields["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+    if draw(st.booleans()):
+        fields["id2label"] = {str(i): f"L{i}" for i in range(draw(st.integers(1, 3)))}
+    if draw(st.booleans()):
+        fields["dtype"] = draw(st.sampled_from(("float16", "bfloat16", "float32")))
+    if draw(st.booleans()):
+        fields["architectures"] = ["LlamaForCausalLM"]
     for name in draw(st.lists(st.text("abcdxyz", min_size=1, max_size=5), max_size=4,
                               unique=True)):
         fields["f_" + name] = draw(_JSON_VALUES)
@@ -848,6 +889,20 @@ NAMED: dict[str, str] = {
     "old weight_norm: a tensor with grad_fn": _spec(
         kind="module", seed=1230, dim=2, extras=[], training=True,
         body=[{"t": "linear", "dtype": "float16", "bias": False, "pz": "old_weight_norm"}]),
+    # numpy pickles a non-contiguous array (a `[::2]` view) as a contiguous copy
+    # (`x0: numpy.ndarray uint8 shape [1920000] strides [1] vs [2]`; also a 1-element one,
+    # which numpy calls contiguous): pickled now as the bytes it spans and its strides.
+    "strided numpy arrays": _spec(
+        kind="module", seed=2435, dim=4, training=True, body=[{"t": "cached"}], extras=[
+            {"where": "numpy", "repeat": 40000, "strided": True, "tensor": {
+                "dtype": "float64", "fill": "randn", "layout": "dense", "rg": False,
+                "shape": [1, 3, 4, 1]}},
+            {"where": "numpy", "repeat": 1, "strided": True, "tensor": {
+                "dtype": "float8_e4m3fn", "fill": "randn", "layout": "dense", "rg": True,
+                "shape": [2]}},
+            {"where": "numpy", "repeat": 3, "strided": False, "tensor": {
+                "dtype": "int16", "fill": "bytes", "layout": "dense", "rg": False,
+                "shape": [2, 3]}}]),
     # Hook ids come from a process-wide counter: two plain loads differ in them
     # (`_forward_hooks: keys [6, 4] vs [14, 12]`); each load here starts from the plain
     # load's counter (Note [Hook ids in the fuzzer]), and a warm one must have its ids.

@@ -399,6 +399,44 @@ def reduce_slotted_module(module: Any) -> Any:
             _set_slotted_module_state)
 
 
+# Note [Strided arrays]: numpy pickles an array that is neither C- nor F-contiguous (a
+# ``[::2]`` view) as a contiguous copy: its strides change. Such an array is pickled as a
+# copy of the bytes it spans and rebuilt as a view of them with its own strides.
+def reduce_strided_array(a: Any) -> Any:
+    import numpy
+
+    if a.dtype.hasobject or not a.size or a.strides in _dense_strides(a.shape, a.itemsize):
+        return NotImplemented  # numpy's own pickling keeps it as it is
+    try:
+        from numpy.lib.array_utils import byte_bounds
+    except ImportError:  # numpy < 2
+        byte_bounds = numpy.byte_bounds  # type: ignore[attr-defined,unused-ignore]
+    low, high = byte_bounds(a)
+    raw: Any = (ctypes.c_char * (high - low)).from_address(low)
+    span = numpy.frombuffer(raw, dtype=numpy.uint8).copy()
+    offset = a.__array_interface__["data"][0] - low
+    return (rebuild_strided_array, (span, offset, a.shape, a.strides, a.dtype,
+                                    bool(a.flags.writeable)))
+
+
+def _dense_strides(shape: tuple[int, ...], itemsize: int) -> tuple[tuple[int, ...], ...]:
+    c = tuple(itemsize * s for s in _row_major(shape))
+    f = tuple(itemsize * s for s in reversed(_row_major(tuple(reversed(shape)))))
+    return c, f
+
+
+def rebuild_strided_array(span: Any, offset: int, shape: tuple[int, ...],
+                          strides: tuple[int, ...], dtype: Any, writeable: bool) -> Any:
+    import numpy
+
+    if writeable and not span.flags.writeable:
+        span = span.copy()
+    out = numpy.ndarray(shape, dtype, buffer=span, offset=offset, strides=strides)
+    if not writeable:
+        out.flags.writeable = False
+    return out
+
+
 def _set_slotted_module_state(module: Any, state: tuple[Any, dict[str, Any]]) -> None:
     module.__setstate__(state[0])
     for name, value in state[1].items():
@@ -636,6 +674,7 @@ def _make_pickler(base: type, file: io.BytesIO, plan: WritePlan,
                     else "module" if compact_modules and _default_module_pickling(cls)
                     else "hooks" if issubclass(cls, (torch.nn.Module, RemovableHandle))
                     else "ordered" if _ordered_with_attributes(cls)
+                    else "ndarray" if cls.__module__ == "numpy" and cls.__name__ == "ndarray"
                     else "")
             if kind == "slotted":  # Note [Modules with slots]
                 plan.hooks = plan.hooks or _has_hooks(obj)
@@ -647,6 +686,8 @@ def _make_pickler(base: type, file: io.BytesIO, plan: WritePlan,
                 return reduced
             if kind == "ordered":
                 return reduce_ordered(obj)
+            if kind == "ndarray":  # Note [Strided arrays]
+                return reduce_strided_array(obj)
             if kind == "hooks":  # Note [Hook ids]
                 plan.hooks = plan.hooks or not isinstance(obj, torch.nn.Module) or _has_hooks(
                     obj)
