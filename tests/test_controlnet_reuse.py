@@ -37,7 +37,7 @@ def memfd_tier(sock_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Non
     """A cache directory on tmpfs: the daemon keeps every segment in a memfd.
 
     In the file tier, tensors that are unchanged regions of a source file are referenced
-    by hard links counted whole, so byte counts would not show what was copied; this
+    by the held source file, counted whole, so byte counts would not show what was copied; this
     test is about dedup by provenance, which both tiers share. (After ``sock_path``,
     which sets a private cache directory on disk.)
     """

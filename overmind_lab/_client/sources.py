@@ -2,9 +2,10 @@
 
 A safetensors file loaded without conversion is not copied by the loader: its tensors are
 views of a ``MAP_PRIVATE`` mapping of the file. Caching such a model needs no copy either:
-the entry references the file (the daemon hard-links it into the cache directory, so a
-delete or a rename-replace of the original keeps the data) and records where each storage
-lies in it.
+the entry references the file (the daemon holds it open, so a delete or a rename-replace
+of the original keeps the data, and checks before each hit that the path still names the
+same, unchanged file: Note [Source files are held, not linked] in the daemon) and records
+where each storage lies in it.
 
 :func:`find_source` tells whether a storage is such a region: its bytes lie in one file
 mapping of this process (``/proc/self/maps``), the file is the one mapped (same device and
