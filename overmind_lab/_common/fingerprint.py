@@ -271,13 +271,25 @@ class _Walker:
             self.put(path, _qual(cls))
         if isinstance(state, dict):
             self.attributes(obj, state, path, depth)
-        for name in slots:
+        self.slots(obj, slots, path, depth)
+
+    def slots(self, obj: Any, names: list[str], path: str, depth: int) -> None:
+        for name in names:
             try:
                 value = object.__getattribute__(obj, name)
             except AttributeError:
                 self.put(_attr(path, name), "<unset slot>")
                 continue
             self.visit(value, _attr(path, name), depth + 1)
+
+    def facts(self, prefix: str, probes: list[tuple[str, Callable[[], Any]]]) -> None:
+        """``<prefix> <name>``: what each probe reads, or why it could not."""
+        for name, probe in probes:
+            try:
+                value = probe()
+            except Exception as exc:  # noqa: BLE001 - recorded, never raised
+                value = _unreadable(exc)
+            self.put(f"{prefix} {name}", str(value))
 
     def attributes(self, obj: Any, state: dict[str, Any], path: str, depth: int) -> None:
         self.put(f"{path} attrs", repr(list(state)))
@@ -335,13 +347,7 @@ class _Walker:
                 self.put(_attr(path, name), "set" if value is not None else "None")
             elif name != "training":
                 self.visit(value, _attr(path, name), depth + 1)
-        for name in _slots(type(obj)):  # a module class may have __slots__ too
-            try:
-                value = object.__getattribute__(obj, name)
-            except AttributeError:
-                self.put(_attr(path, name), "<unset slot>")
-                continue
-            self.visit(value, _attr(path, name), depth + 1)
+        self.slots(obj, _slots(type(obj)), path, depth)  # a module class may have slots
 
     def storage(self, storage: Any, path: str) -> str:
         """``storage <first path>`` (and, the first time, its size, bytes and flags)."""
@@ -386,12 +392,7 @@ class _Walker:
                       (ALIGNED64, lambda: t.data_ptr() % 64 if t.device.type != "meta"
                        else None)]
         self.put(path, head)
-        for name, probe in facts:
-            try:
-                value = probe()
-            except Exception as exc:  # noqa: BLE001 - recorded, never raised
-                value = _unreadable(exc)
-            self.put(f"{path} {name}", str(value))
+        self.facts(path, facts)
         if t.is_quantized:
             self.quantized(t, path)
         elif t.is_nested:
@@ -461,12 +462,7 @@ class _Walker:
                                                                           None)
         if callable(getattr(backend, "to_str", None)):
             probes.append(("backend", lambda: _digest(backend.to_str().encode())))
-        for name, probe in probes:
-            try:
-                value = probe()
-            except Exception as exc:  # noqa: BLE001 - recorded, never raised
-                value = _unreadable(exc)
-            self.put(f"{path} tokenizer {name}", str(value))
+        self.facts(f"{path} tokenizer", probes)
 
 
 def _child(path: str, name: str) -> str:
