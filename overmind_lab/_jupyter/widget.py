@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING
 
 try:
     import ipywidgets as w
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "overmind_lab.widget() needs ipywidgets: pip install 'overmind-lab[jupyter]'"
-    ) from exc
+except ImportError:  # pragma: no cover - depends on the environment
+    from overmind_lab._extras import require
+
+    require("jupyter", "overmind_lab.widget()", ["ipywidgets"])  # names [jupyter]
+    raise
 
 from overmind_lab._common.messages import EntryJson, Status
 from overmind_lab._errors import OvermindError, UnknownEntry
