@@ -19,6 +19,9 @@ module level.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import enum
 import functools
 import hashlib
 import json
@@ -40,6 +43,10 @@ LAYER_DTYPES = ("float32", "float32", "float64", "bfloat16", "float16")
 SPARSE_DTYPES = ("float32", "float64", "int64", "complex64")
 QDTYPES = ("quint8", "qint8", "qint32")
 #: Module-level functions hooks and parametrizations are made of.
+#: ("generator", a torch.Generator attribute, is left out of the draws: its rebuild fails,
+#: see the named case "torch.Generator attribute, hooks".)
+MISC = ("dtype", "device", "partial", "lambda", "sets", "ordered", "namedtuple",
+        "dataclass", "memoryview_dtype")
 HOOKS = ("double_out", "shift_in", "kw_out", "kw_pre", "noop_out", "noop_pre", "half_out")
 
 
@@ -315,6 +322,49 @@ def _tensor(ts: dict[str, Any], gen: torch.Generator, made: list[torch.Tensor]) 
     return t
 
 
+class Color(enum.Enum):
+    RED = 1
+    BLUE = 2
+
+
+Pair = collections.namedtuple("Pair", ["left", "right"])
+
+
+@dataclasses.dataclass
+class Settings:
+    scale: float
+    tensor: Any = None
+    names: list[str] = dataclasses.field(default_factory=list)
+
+
+#: A lambda at module level: pickle cannot find it by name (dill takes it by value).
+TWICE = lambda x: x * 2  # noqa: E731
+
+
+def _misc(kind: str, t: torch.Tensor, gen: torch.Generator) -> Any:
+    if kind == "dtype":
+        return t.dtype
+    if kind == "device":
+        return torch.device("cpu")
+    if kind == "generator":
+        return torch.Generator().manual_seed(int(torch.randint(0, 99, (1,), generator=gen)))
+    if kind == "partial":
+        return functools.partial(scale_out, 0.25)
+    if kind == "lambda":
+        return TWICE
+    if kind == "sets":
+        return ({"b", "a"}, frozenset({3, 1}), b"\x00raw", bytearray(b"ab"))
+    if kind == "ordered":
+        return collections.OrderedDict([("z", t), ("a", 1)])
+    if kind == "namedtuple":
+        return Pair(t, Color.BLUE)
+    if kind == "dataclass":
+        return Settings(0.5, t, ["x"])
+    if kind == "memoryview_dtype":
+        return [torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int8]
+    raise ValueError(f"unknown misc {kind!r}")
+
+
 def _bytes_of(t: torch.Tensor) -> bytes:
     if t.layout is not torch.strided or t.is_quantized or not t.numel():
         return b"\x01\x02\x03"
@@ -481,6 +531,13 @@ def _module_tree(data: dict[str, Any], gen: torch.Generator) -> nn.Module:
             sub = nn.Module()
             sub.register_buffer("value", t, persistent=item.get("persistent", True))
             net.add_module(name, sub)
+        elif where == "misc":  # other things a module carries
+            setattr(net, name, _misc(item["misc"], t, gen))
+        elif where == "twin":  # one submodule at two places
+            if len(net.body):
+                net.add_module(name, net.body[len(net.body) - 1])
+        elif where == "cycle":  # a reference back to the root, not registered
+            object.__setattr__(net, name, net)
         elif where == "numpy":  # an array of the tensor's bytes (large ones out of band)
             import numpy
 
@@ -668,9 +725,12 @@ def tensor_specs(draw: st.DrawFn, param: bool = False) -> dict[str, Any]:
 @st.composite
 def extras(draw: st.DrawFn) -> dict[str, Any]:
     where = draw(st.sampled_from(("param", "buffer", "buffer", "plist", "pdict", "attr",
-                                  "list", "slotted", "state", "reduce", "sub", "numpy")))
+                                  "list", "slotted", "state", "reduce", "sub", "numpy",
+                                  "misc", "misc", "twin", "cycle")))
     item: dict[str, Any] = {"where": where,
                             "tensor": draw(tensor_specs(where in ("param", "plist", "pdict")))}
+    if where == "misc":
+        item["misc"] = draw(st.sampled_from(MISC))
     if where == "numpy":
         item["repeat"] = draw(st.sampled_from((1, 1, 1000, 40000)))
         item["strided"] = draw(st.booleans())
@@ -903,6 +963,35 @@ NAMED: dict[str, str] = {
             {"where": "numpy", "repeat": 3, "strided": False, "tensor": {
                 "dtype": "int16", "fill": "bytes", "layout": "dense", "rg": False,
                 "shape": [2, 3]}}]),
+    # A parameter's `.grad` was dropped (torch's reductions drop it): first for every
+    # parameter (`p_pdict.x0.grad: only in the plain result`), then, once the lean
+    # reduction kept it, for conjugate and negative views, which torch's reduction takes.
+    "parameters with grad": _spec(
+        kind="module", seed=115, dim=3, body=[], training=True, extras=[
+            {"where": "pdict", "tensor": {"dtype": "complex128", "fill": "randn",
+                                          "grad": True, "layout": "dense", "rg": True,
+                                          "shape": [1, 4, 4, 3], "view": "conj"}},
+            {"where": "param", "tensor": {"dtype": "complex64", "fill": "randn",
+                                          "grad": True, "layout": "dense", "rg": True,
+                                          "shape": [2], "view": "neg"}},
+            {"where": "plist", "tensor": {"dtype": "bfloat16", "fill": "special",
+                                          "grad": True, "layout": "dense", "rg": True,
+                                          "shape": [1, 4, 0, 2]}}]),
+    # OPEN: a torch.Generator attribute: the rebuild fails (SystemError: "Generator.
+    # __setstate__ returned a result with an exception set"), so the hit evicts the entry
+    # and loads plainly (uncached, a warning); the partial rebuild had moved the hook
+    # counter, so that plain load's hook ids differed (`body[0]._forward_hooks: keys
+    # [3390] vs [3388]`): fixed in load.py (the counter is put back). The rebuild failure
+    # itself is open (not understood); "generator" is left out of the draws meanwhile.
+    "torch.Generator attribute, hooks": _spec(
+        kind="module", seed=0, dim=1, training=False, body=[
+            {"t": "act", "fn": "relu", "eval": True, "hooks": [{"fn": "double_out"}]},
+            {"t": "linear", "dtype": "float32", "bias": False, "eval": True,
+             "hooks": [{"fn": "double_out"}], "keep_handle": 0}],
+        extras=[{"where": "param", "tensor": {"attr": "tag", "dtype": "float32",
+                                              "layout": "coo", "rg": False, "shape": [1, 1]}},
+                {"where": "misc", "misc": "generator", "tensor": {
+                    "dtype": "float32", "layout": "coo", "rg": False, "shape": [1, 1]}}]),
     # Hook ids come from a process-wide counter: two plain loads differ in them
     # (`_forward_hooks: keys [6, 4] vs [14, 12]`); each load here starts from the plain
     # load's counter (Note [Hook ids in the fuzzer]), and a warm one must have its ids.

@@ -413,6 +413,7 @@ def _hit(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
                                           f"cache ({rebuild_error!r}); loading it from source")
         with contextlib.suppress(OvermindError, OSError):
             session.evict(info.key)
+        set_hook_counter(hooks_before)  # hook ids a partial rebuild took: the plain load's
         result = _plain(fn, args, kwargs)
         _emit(LoadEvent(info.key, info.name, "uncached", time.perf_counter() - start,
                         reason=f"rebuild failed: {rebuild_error}"))

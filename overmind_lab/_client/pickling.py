@@ -174,6 +174,10 @@ def reduce_tensor(t: Any, is_param: bool, plan: WritePlan) -> Any:
             # torch's own reduction of a sparse tensor drops requires_grad (a
             # Parameter's keeps it): the flag and the attributes go beside it.
             return (_requiring_grad, (t.detach(), dict(t.__dict__) or None))
+        if t.grad is not None:  # torch's own reduction drops ``.grad``: set it after
+            reduced = t.__reduce_ex__(5)
+            if isinstance(reduced, tuple) and len(reduced) == 2:
+                return (_with_grad, (reduced[0], reduced[1], t.grad))
         return NotImplemented
     untyped = t.untyped_storage()
     seg, offset = plan.reduce_storage(untyped)
@@ -188,6 +192,12 @@ def reduce_tensor(t: Any, is_param: bool, plan: WritePlan) -> Any:
                                 is_param, state))
     return (rebuild_tensor, (seg, offset, nbytes, t.storage_offset(), size, t.stride(),
                              t.dtype, t.requires_grad, is_param, state))
+
+
+def _with_grad(rebuild: Any, args: tuple[Any, ...], grad: Any) -> Any:
+    t = rebuild(*args)
+    t.grad = grad
+    return t
 
 
 def _requiring_grad(t: Any, state: dict[str, Any] | None) -> Any:
