@@ -879,8 +879,7 @@ def _to_device(untyped: Any, device: str) -> Any:
 def _make_unpickler(base: type, file: io.BytesIO, buffers: list[memoryview]) -> Any:
     class StorageUnpickler(base):  # type: ignore[misc]
         def find_class(self, module: str, name: str) -> Any:
-            if module.split(".")[0] in _DYNAMIC_PACKAGES and module not in sys.modules:
-                _add_dynamic_module_path()
+            import_path_for(module)
             return super().find_class(module, name)
 
     return StorageUnpickler(file, buffers=buffers)
@@ -925,6 +924,12 @@ def load_stream(stream: memoryview, kind: str, mappings: list[Mapping],
 # (custom pipelines, trust_remote_code) as top-level packages living in HF_MODULES_CACHE.
 # A fresh process has not imported them yet: put that directory on sys.path first.
 _DYNAMIC_PACKAGES = {"diffusers_modules", "transformers_modules"}
+
+
+def import_path_for(module: str) -> None:
+    """Make ``module`` importable if it is a model's own code (the Note above)."""
+    if module.split(".")[0] in _DYNAMIC_PACKAGES and module not in sys.modules:
+        _add_dynamic_module_path()
 
 
 def _add_dynamic_module_path() -> None:

@@ -539,6 +539,9 @@ def _resolve(name: str) -> Any:
     module_name, _, qualname = name.partition(":")
     module = sys.modules.get(module_name)
     if module is None and module_name != "__main__":
+        from overmind_lab._client.pickling import import_path_for
+
+        import_path_for(module_name)  # Note [Dynamic modules]: a model's own code
         try:
             module = importlib.import_module(module_name)
         except Exception:  # noqa: BLE001 - any import failure: the code is gone
