@@ -27,6 +27,7 @@ import json
 import os
 import signal
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -104,8 +105,10 @@ class _Lab:
         self.daemon.start()
         for name, warm in (("bench-plain", False), ("bench-warm", True)):
             spec = kernel_json(f"overmind-lab bench ({name})")
-            if not warm:
+            if not warm:  # ipykernel's own argv: the warm spec's launcher would fork too
                 spec["metadata"].pop("kernel_provisioner")
+                spec["argv"] = [sys.executable, "-m", "ipykernel_launcher", "-f",
+                                "{connection_file}"]
             (self.dir / "share" / "kernels" / name).mkdir(parents=True)
             (self.dir / "share" / "kernels" / name / "kernel.json").write_text(json.dumps(spec))
         seconds = self.server.start()
