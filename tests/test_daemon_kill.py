@@ -45,6 +45,17 @@ def start_child(tag: str) -> subprocess.Popen[str]:
                             env=env, cwd="/")
 
 
+def run_for_a_while(child: subprocess.Popen[str], rng: random.Random) -> float:
+    """Let ``child`` run up to a random 0-1.5 s (less if it ends first): the point of the
+    store where the test strikes. Returns the delay drawn."""
+    delay = rng.uniform(0.0, 1.5)
+    try:
+        child.wait(timeout=delay)
+    except subprocess.TimeoutExpired:
+        pass
+    return delay
+
+
 def wait_for_exit(pid: int) -> None:
     import select
 
@@ -77,11 +88,7 @@ def test_kill_9_of_the_daemon_at_random_points_of_a_store(daemon: Client,
         pid = int(daemon.status()["pid"])
         child = start_child(tag)
         try:
-            delay = rng.uniform(0.0, 1.5)
-            try:
-                child.wait(timeout=delay)
-            except subprocess.TimeoutExpired:
-                pass
+            delay = run_for_a_while(child, rng)
             os.kill(pid, signal.SIGKILL)
             wait_for_exit(pid)
             out, err = child.communicate(timeout=180)
@@ -101,11 +108,7 @@ def test_kill_9_of_the_storing_client_at_random_points(daemon: Client,
         tag = "c" * (trial + 1)
         child = start_child(tag)
         try:
-            delay = rng.uniform(0.0, 1.5)
-            try:
-                child.wait(timeout=delay)
-            except subprocess.TimeoutExpired:
-                pass
+            run_for_a_while(child, rng)
             child.kill()
         finally:
             child.communicate(timeout=60)
