@@ -72,7 +72,7 @@ def load(paths: dict[str, Path], dtype: str) -> tuple[Any, list[Any]]:
 def report(events: list[Any]) -> dict[str, Any]:
     """Print what happened and what the daemon holds; return it as data."""
     from overmind_lab import Client
-    from overmind_lab._jupyter.display import describe_load, format_bytes, text_table
+    from overmind_lab._common.display import describe_load, format_bytes, text_table
 
     for event in events:
         print(describe_load(event))

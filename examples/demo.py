@@ -89,7 +89,7 @@ def warm_kernel_note() -> str:
     try:
         from jupyter_client.kernelspec import KernelSpecManager
 
-        from overmind_lab._kernel.spec import DEFAULT_NAME, DISPLAY_NAME
+        from overmind_lab._jupyter_server.kernelspec import DEFAULT_NAME, DISPLAY_NAME
 
         installed = DEFAULT_NAME in KernelSpecManager().find_kernel_specs()
     except ImportError:
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from overmind_lab import Client
-    from overmind_lab._jupyter.display import (
+    from overmind_lab._common.display import (
         format_bytes,
         format_seconds,
         format_speedup,

@@ -61,19 +61,19 @@ from overmind_lab._errors import (
 # Lazily imported names: the module that defines each. Keeps `import overmind_lab`
 # (and the daemon, which imports this package) free of torch, IPython and ipywidgets.
 _LAZY = {
-    "load": "_client.load", "bypass": "_client.load", "refreshing": "_client.load",
-    "record_loads": "_client.load", "verifying": "_client.load",
-    "key_of": "_client.load", "LoadEvent": "_client.load",
-    "wait_for_stores": "_client.background",
+    "load": "_loading.load", "bypass": "_loading.load", "refreshing": "_loading.load",
+    "record_loads": "_loading.load", "verifying": "_loading.load",
+    "key_of": "_loading.load", "LoadEvent": "_loading.load",
+    "wait_for_stores": "_loading.background",
     "MissingDependency": "_extras",
-    "Client": "_client.client",
-    "patch_all": "_jupyter.patch", "unpatch_all": "_jupyter.patch", "is_patched": "_jupyter.patch",
-    "get_original": "_jupyter.patch",
-    "widget": "_jupyter.widget",
-    "load_ipython_extension": "_jupyter.magics", "unload_ipython_extension": "_jupyter.magics",
-    "_jupyter_server_extension_points": "_jupyter.server",
-    "_jupyter_labextension_paths": "_jupyter.server",
-    "_load_jupyter_server_extension": "_jupyter.server",
+    "Client": "_loading.client",
+    "patch_all": "_loading.patch", "unpatch_all": "_loading.patch", "is_patched": "_loading.patch",
+    "get_original": "_loading.patch",
+    "widget": "_loading.widget",
+    "load_ipython_extension": "_loading.magics", "unload_ipython_extension": "_loading.magics",
+    "_jupyter_server_extension_points": "_jupyter_server",
+    "_jupyter_labextension_paths": "_jupyter_server",
+    "_load_jupyter_server_extension": "_jupyter_server",
 }
 
 

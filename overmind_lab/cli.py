@@ -37,7 +37,7 @@ BROKEN_PIPE = 128 + 13  # as a shell reports a command that SIGPIPE ended
 
 
 def _client(args: argparse.Namespace) -> Any:
-    from overmind_lab._client.client import Client
+    from overmind_lab._loading.client import Client
 
     return Client(args.socket)
 
@@ -74,7 +74,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from overmind_lab._jupyter.display import ENTRY_HEADERS, entry_row, text_table
+    from overmind_lab._common.display import ENTRY_HEADERS, entry_row, text_table
 
     entries = _client(args).entries()
     if args.json:
@@ -122,8 +122,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if not args.detach:
         return serve_command(args)
-    from overmind_lab._client.client import Client
     from overmind_lab._common.naming import log_path, socket_path
+    from overmind_lab._loading.client import Client
 
     path = socket_path(args.socket)
     client = Client(path)
@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     refresh.add_argument("key", help="entry key or unique key prefix")
     add("stop", cmd_stop, "stop the daemon", json_flag=False)
     from overmind_lab import bench
-    from overmind_lab._kernel import spec
+    from overmind_lab._jupyter_server import kernelspec as spec
 
     bench.add_parser(sub)
     spec.add_parser(sub)

@@ -57,7 +57,16 @@ def sock_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         monkeypatch.setenv("OVERMIND_LAB_SOCKET", str(path))
         monkeypatch.setenv("OVERMIND_LAB_CACHE_DIR", str(Path(d) / "cache"))
         yield path
-        Client(path).stop()
+        stopped = Client(path).stop()
+        log = path.with_name(path.name + ".log")
+        if log.exists():  # pytest shows a teardown's stderr only when the test failed
+            print(f"--- daemon log {log} ---\n{log.read_text(errors='replace')[-6000:]}",
+                  file=sys.stderr)
+        if not stopped and (pids := _daemons_on(path)):
+            for pid in pids:  # wedged: it did not answer "stop"
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            raise AssertionError(f"the daemon on {path} (pids {pids}) did not answer stop")
 
 
 @pytest.fixture

@@ -216,8 +216,8 @@ def run(root: Path, phase: str) -> None:
     import torch
 
     import overmind_lab
-    from overmind_lab._client.load import set_verify
     from overmind_lab._common.fingerprint import compare as difference
+    from overmind_lab._loading.load import set_verify
 
     warnings.simplefilter("ignore")  # library chatter; VerifyMismatch is counted below
     set_verify(True)  # what OVERMIND_LAB_VERIFY=1 and patch_all(verify=True) switch on

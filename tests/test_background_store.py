@@ -15,7 +15,7 @@ import torch
 
 import overmind_lab
 from overmind_lab import Client, OvermindWarning
-from overmind_lab._client import background
+from overmind_lab._loading import background
 from tests.conftest import last_json, run_py
 from tests.loaders import PICKLE_DELAY_ENV, counting_module, unpicklable_module
 

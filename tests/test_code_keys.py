@@ -26,8 +26,8 @@ import pytest
 import torch
 
 from overmind_lab import Client
-from overmind_lab._client import user_code
 from overmind_lab._errors import NotCacheable
+from overmind_lab._loading import user_code
 
 # -- in-process: the decision and the digests ---------------------------------------------
 
@@ -316,7 +316,7 @@ EDITABLE_LOAD = """
 import json, site, sys
 site.addsitedir({site_dir!r})  # where pip put the editable install's .pth and dist-info
 import torch, overmind_lab
-from overmind_lab._client import user_code
+from overmind_lab._loading import user_code
 import edpkg
 
 

@@ -1,10 +1,9 @@
-"""How entries and the status read for people (``_jupyter.display``): plain functions over
+"""How entries and the status read for people (``_common.display``): plain functions over
 the daemon's JSON, the same for the CLI, the magics and the widget."""
 
 from __future__ import annotations
 
-from overmind_lab._common.messages import EntryJson, Status
-from overmind_lab._jupyter.display import (
+from overmind_lab._common.display import (
     ENTRY_HEADERS,
     describe_load,
     entry_row,
@@ -12,6 +11,7 @@ from overmind_lab._jupyter.display import (
     format_speedup,
     status_line,
 )
+from overmind_lab._common.messages import EntryJson, Status
 
 
 def listed(**fields: object) -> EntryJson:
@@ -76,7 +76,7 @@ def test_the_status_line_of_a_running_daemon_and_of_none() -> None:
 
 
 def test_a_first_load_says_whether_it_is_cached_now_or_in_the_background() -> None:
-    from overmind_lab._client.load import LoadEvent
+    from overmind_lab._loading.load import LoadEvent
 
     name = "UNet2DConditionModel.from_pretrained('/m/unet')"
     stored = LoadEvent("k", name, "cold", 0.31, cold_seconds=0.3)

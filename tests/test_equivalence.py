@@ -179,7 +179,7 @@ def test_a_hit_replays_the_warnings_and_log_records_of_the_cold_load(
 def test_every_record_of_a_long_burst_is_recorded_once() -> None:
     """Records freed as soon as they are handled reuse each other's ids; none is lost,
     and one that reaches two watched loggers (``transformers`` and root) counts once."""
-    from overmind_lab._client.observe import Capture
+    from overmind_lab._loading.observe import Capture
 
     child = logging.getLogger("transformers.modeling_utils")
     with Capture(emit=False) as capture:

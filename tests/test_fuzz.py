@@ -95,7 +95,7 @@ def compare(spec: str, plain: Loaded, other: Loaded, label: str) -> str | None:
     if other.raised is not None:
         return f"{label}: raises {other.raised} where plain does not"
     if other.outcome not in ("cold", "warm", "uncached"):
-        return f"{label}: outcome {other.outcome}"
+        return f"{label}: outcome {other.outcome} ({other.reason})"
     assert plain.fp is not None and other.fp is not None
     found = difference(other.fp, plain.fp, names=(label, "plain"))
     if found is not None:

@@ -249,8 +249,8 @@ def test_a_new_venv_gets_everything_from_the_wheel(dist: dict[str, Path],
         assert "enabled" in line and "OK" in line and "(python, overmind-lab)" in line, text
         server = run([venv / "bin" / "jupyter", "server", "extension", "list"], env=env, cwd=tmp_path)
         text = plain(server)
-        assert re.search(r"overmind_lab\._jupyter\.server\s+enabled", text), text
-        assert re.search(r"overmind_lab\._jupyter\.server\s+OK", text), text
+        assert re.search(r"overmind_lab\._jupyter_server\s+enabled", text), text
+        assert re.search(r"overmind_lab\._jupyter_server\s+OK", text), text
         # the warm kernelspec, for this user, with the venv's interpreter
         run([venv / "bin" / "overmind-lab", "kernel", "install", "--user"], env=env, cwd=tmp_path)
         spec = tmp_path / "home" / "data" / "kernels" / "overmind-lab-warm" / "kernel.json"

@@ -174,7 +174,7 @@ def test_cold_after_a_restart_runs_the_original_loader(
 
 BACKGROUND_LOAD = """
 import json, overmind_lab
-from overmind_lab._client.background import pending_stores
+from overmind_lab._loading.background import pending_stores
 from tests.loaders import counting_module
 with overmind_lab.record_loads() as events:
     model = overmind_lab.load(counting_module, 4096)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from overmind_lab._client.keys import make_key, normalize
 from overmind_lab._errors import NotCacheable
+from overmind_lab._loading.keys import make_key, normalize
 
 
 def loader(path: str, dtype: object = None, *, scale: float = 1.0, **extra: object) -> None:
@@ -78,7 +78,7 @@ def test_library_versions_come_from_dist_info_names_as_importlib_finds_them(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from importlib import metadata
 
-    from overmind_lab._client import keys
+    from overmind_lab._loading import keys
 
     installed = keys._installed_versions()
     for dist in keys._VERSIONED:  # this environment: the same answers as importlib

@@ -21,7 +21,7 @@ from tests.conftest import last_json, run_py, save_tiny_unet
 LOAD_UNET = """
 import json, sys, os, hashlib, torch, overmind_lab
 from diffusers import UNet2DConditionModel
-from overmind_lab._client.segments import find_mapping
+from overmind_lab._loading.segments import find_mapping
 with overmind_lab.record_loads() as events:
     unet = overmind_lab.load(UNet2DConditionModel.from_pretrained, {path!r})
 sd = unet.state_dict()

@@ -15,7 +15,7 @@ from traitlets.config import Config
 
 import overmind_lab
 from overmind_lab import Client, OvermindWarning
-from overmind_lab._jupyter.display import StatusReport
+from overmind_lab._common.display import StatusReport
 
 LOAD = "unet = UNet2DConditionModel.from_pretrained(p)"
 WARM = re.compile(

@@ -15,7 +15,7 @@ from diffusers import UNet2DConditionModel
 
 import overmind_lab
 from overmind_lab import Client, OvermindWarning
-from overmind_lab._jupyter.patch import _ROOTS, patched_names
+from overmind_lab._loading.patch import _ROOTS, patched_names
 from overmind_lab.bench import models as _models
 from tests.conftest import last_json, run_py
 
@@ -104,7 +104,7 @@ def test_the_wrapper_keeps_signature_and_docstring(patched: None) -> None:
 PATCH_BEFORE_IMPORT = """
 import inspect, json, sys
 import overmind_lab
-from overmind_lab._jupyter.patch import patched_names
+from overmind_lab._loading.patch import patched_names
 overmind_lab.patch_all()
 assert "diffusers" not in sys.modules and "transformers" not in sys.modules
 from diffusers import UNet2DConditionModel, StableDiffusionPipeline, DDIMScheduler
@@ -132,7 +132,7 @@ import json
 from diffusers import UNet2DConditionModel, StableDiffusionPipeline, DDIMScheduler
 from transformers import AutoModel, AutoTokenizer, CLIPTextModel
 import overmind_lab
-from overmind_lab._jupyter.patch import patched_names
+from overmind_lab._loading.patch import patched_names
 overmind_lab.patch_all()
 print(json.dumps({"names": patched_names()}))
 """

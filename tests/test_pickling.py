@@ -1,5 +1,5 @@
 """The lean rebuilds keep every layout: Note [One call per tensor] and Note [Modules in one
-call] in ``overmind_lab/_client/pickling.py``, against a plain call of the same loader.
+call] in ``overmind_lab/_loading/pickling.py``, against a plain call of the same loader.
 
 A real daemon; the cold load returns the loader's own object (Note [Never worse than
 plain]), the warm one goes through the rebuild; both must have the plain load's
@@ -15,8 +15,8 @@ import torch
 
 import overmind_lab
 from overmind_lab import Client
-from overmind_lab._client.pickling import hook_counter, set_hook_counter
 from overmind_lab._common.fingerprint import RESIZABLE, difference, fingerprint
+from overmind_lab._loading.pickling import hook_counter, set_hook_counter
 from tests.conftest import last_json, run_py
 from tests.loaders import Remembering, layouts
 

@@ -1,6 +1,6 @@
 """Writing segment files: every byte where the plan puts it, in folios readers map whole.
 
-Note [Filling a segment] in ``overmind_lab/_client/segments.py`` says why the writer goes
+Note [Filling a segment] in ``overmind_lab/_loading/segments.py`` says why the writer goes
 by aligned windows; these tests check the layout and, where the kernel gives buffered
 writes large folios, that a reader of the file gets PMD mappings.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from overmind_lab import _native
-from overmind_lab._client import segments
+from overmind_lab._loading import segments
 
 
 def _items(rng: random.Random) -> tuple[list[tuple[int, bytes]], int]:

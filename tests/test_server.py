@@ -18,7 +18,7 @@ from jupyter_server.utils import url_path_join
 from tornado.httpclient import HTTPClientError, HTTPResponse
 
 from overmind_lab import Client
-from overmind_lab._jupyter.server import (
+from overmind_lab._jupyter_server import (
     _jupyter_labextension_paths,
     _jupyter_server_extension_points,
 )
@@ -54,7 +54,7 @@ STATUS_FIELDS = {
 def jp_server_config() -> dict[str, Any]:
     return {
         "ServerApp": {
-            "jpserver_extensions": {"overmind_lab._jupyter.server": True},
+            "jpserver_extensions": {"overmind_lab._jupyter_server": True},
             "reraise_server_extension_failures": True,
         }
     }
@@ -112,24 +112,24 @@ async def error_of(request: Awaitable[HTTPResponse]) -> tuple[int, dict[str, Any
 
 # -- discovery --------------------------------------------------------------------------
 def test_discovery_functions_name_this_package() -> None:
-    assert _jupyter_server_extension_points() == [{"module": "overmind_lab._jupyter.server"}]
+    assert _jupyter_server_extension_points() == [{"module": "overmind_lab._jupyter_server"}]
     assert _jupyter_labextension_paths() == [{"src": "labextension", "dest": "overmind-lab"}]
     import overmind_lab
 
     assert overmind_lab._jupyter_server_extension_points() == [  # type: ignore[attr-defined]
-        {"module": "overmind_lab._jupyter.server"}
+        {"module": "overmind_lab._jupyter_server"}
     ]
 
 
 def test_config_file_enables_the_extension() -> None:
     config = Path(__file__).parents[1] / "jupyter-config/jupyter_server_config.d/overmind_lab.json"
     data = json.loads(config.read_text())
-    assert data == {"ServerApp": {"jpserver_extensions": {"overmind_lab._jupyter.server": True}}}
+    assert data == {"ServerApp": {"jpserver_extensions": {"overmind_lab._jupyter_server": True}}}
 
 
 def test_importing_the_extension_module_is_cheap() -> None:
     proc = run_py("""
-        import sys, json, overmind_lab._jupyter.server
+        import sys, json, overmind_lab._jupyter_server
         print(json.dumps(sorted(m for m in ("torch", "tornado", "jupyter_server", "diffusers")
                                 if m in sys.modules)))
     """)
@@ -137,7 +137,7 @@ def test_importing_the_extension_module_is_cheap() -> None:
 
 
 async def test_extension_is_loaded(jp_serverapp: Any) -> None:
-    extension = jp_serverapp.extension_manager.extensions["overmind_lab._jupyter.server"]
+    extension = jp_serverapp.extension_manager.extensions["overmind_lab._jupyter_server"]
     assert extension.enabled
     settings = jp_serverapp.web_app.settings["overmind_lab"]
     assert settings.api_root == "/a%40b/overmind-lab/api/v1"

@@ -36,7 +36,7 @@ from typing import Any
 import pytest
 
 from overmind_lab import Client
-from overmind_lab._kernel import spec
+from overmind_lab._jupyter_server import kernelspec as spec
 from tests.conftest import save_tiny_unet
 from tests.test_warm_kernel import _kill_ours
 
@@ -181,7 +181,7 @@ def lab(prerequisites: None, tmp_path: Path, daemon: Client,
     config = tmp_path / "config"
     config.mkdir()
     (config / "jupyter_server_config.json").write_text(json.dumps({
-        "ServerApp": {"jpserver_extensions": {"overmind_lab._jupyter.server": True}},
+        "ServerApp": {"jpserver_extensions": {"overmind_lab._jupyter_server": True}},
     }))
     # No "receive Jupyter news?" toast over the screenshots.
     (config / "labconfig").mkdir()

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 import overmind_lab
-from overmind_lab._kernel import spec
+from overmind_lab._jupyter_server import kernelspec as spec
 from tests.conftest import run_cell
 from tests.nobody import NOBODY, package_for_nobody, python_for_nobody
 
@@ -378,8 +378,8 @@ def test_a_zygote_stops_tqdms_monitor_and_its_kernels_do_not_share_tqdms_lock() 
     code = """
 import os, signal, sys, time
 from tqdm.auto import tqdm
-from overmind_lab._kernel.child import _fresh_library_state
-from overmind_lab._kernel.zygote import _stop_library_threads
+from overmind_lab._forked.become import _fresh_library_state
+from overmind_lab._zygote.loop import _stop_library_threads
 for _ in tqdm(range(2), mininterval=0, file=sys.stderr):
     pass
 assert tqdm.monitor is not None

@@ -27,7 +27,7 @@ def test_install_writes_a_kernelspec_that_selects_the_provisioner(tmp_path: Path
     assert spec_dir == tmp_path / "data" / "kernels" / "overmind-lab-warm"
     spec = json.loads((spec_dir / "kernel.json").read_text())
     assert spec["display_name"] == "Python 3 (warm, overmind-lab)"
-    assert spec["argv"] == [sys.executable, "-m", "overmind_lab._kernel.launcher", "-f",
+    assert spec["argv"] == [sys.executable, "-m", "overmind_lab._launcher", "-f",
                             "{connection_file}"]
     assert spec["metadata"]["kernel_provisioner"]["provisioner_name"] == "overmind-lab-warm"
     assert spec["interrupt_mode"] == "signal"
@@ -91,7 +91,7 @@ def test_zygotes_belong_to_the_environment_that_made_them(tmp_path: Path) -> Non
     restarts only its own."""
     import signal
 
-    from overmind_lab._kernel.naming import ZygotePaths, identity
+    from overmind_lab._common.zygote_paths import ZygotePaths, identity
 
     other = _venv_sharing_this_one(tmp_path / "other-venv")
     run_dir = Path(tempfile.mkdtemp(prefix="olz-", dir="/tmp"))
@@ -99,8 +99,8 @@ def test_zygotes_belong_to_the_environment_that_made_them(tmp_path: Path) -> Non
            "OVERMIND_LAB_PRELOAD": "json"}  # a zygote that boots in a second
     assert identity(sys.executable, env) != identity(str(other), env)
     spawn = ("import os, sys\n"
-             "from overmind_lab._kernel.naming import ZygotePaths\n"
-             "from overmind_lab._kernel.zygote import spawn\n"
+             "from overmind_lab._common.zygote_paths import ZygotePaths\n"
+             "from overmind_lab._common.zygote_client import spawn\n"
              f"spawn(ZygotePaths.for_launch(sys.executable, os.environ), owners=[{os.getpid()}],"
              " env=dict(os.environ))\n")
     try:
@@ -134,7 +134,7 @@ def test_the_preload_report_names_only_modules_a_user_knows(tmp_path: Path) -> N
         "_pydev_bundle", "_pydev_bundle.pydev_log", "pydevd_plugins", "json", "debugpy"]}))
     code = ("import json, sys\n"
             "import debugpy._vendored.force_pydevd  # puts pydevd on sys.path, imports it\n"
-            "from overmind_lab._kernel import preload\n"
+            "from overmind_lab._common import learned as preload\n"
             "mods = preload.third_party_modules()\n"
             "pydev = [m for m in sys.modules if m.startswith('_pydev')]\n"
             f"read = preload.read_learned(__import__('pathlib').Path({str(learned)!r}))\n"

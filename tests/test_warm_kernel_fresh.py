@@ -7,9 +7,9 @@ affinity, ``oom_score_adj`` and ``TZ``; then one cell in each reports everything
 program can observe about its process, and the reports are compared. Each of those
 attributes is changed in this process (the "server") after its zygote started, and the
 zygote is moved into another cgroup, so the warm kernel can only match by taking on the
-server's values (Note [Inherited process attributes] in ``inherit.py``). The differences
+server's values (Note [Inherited process attributes] in ``_common/inherit.py``). The differences
 that are intended are exactly those ``overmind-lab kernel status`` lists (Note [What a
-warm kernel does not share with a fresh one] in ``child.py``).
+warm kernel does not share with a fresh one] in ``_forked/become.py``).
 
 Every process started here has the test's private directory in its command line (the
 zygote's, which forked kernels keep; a plain kernel's connection file is in
@@ -32,9 +32,10 @@ from typing import Any
 
 import pytest
 
-from overmind_lab._kernel import inherit, spec
-from overmind_lab._kernel.naming import identity
-from overmind_lab._kernel.provisioner import WarmUnavailable, request_fork
+from overmind_lab._common import inherit
+from overmind_lab._common.zygote_client import WarmUnavailable, request_fork
+from overmind_lab._common.zygote_paths import identity
+from overmind_lab._jupyter_server import kernelspec as spec
 from tests.conftest import run_cell
 from tests.test_warm_kernel import PRELOAD, ListHandler, _kill_ours, ready_zygote
 
@@ -348,7 +349,7 @@ def test_a_warm_kernel_observes_what_a_fresh_one_does(lab: dict[str, Any],
 
 def test_the_locale_at_start_picks_another_zygote() -> None:
     """The locale variables fix the UTF-8 mode and the file system encoding at interpreter
-    start, so kernels that differ in them never share a zygote (``naming.py``)."""
+    start, so kernels that differ in them never share a zygote (``_common/zygote_paths.py``)."""
     for key in ("LANG", "LC_ALL", "LC_CTYPE"):
         assert identity(sys.executable, {key: "C"}) != identity(sys.executable,
                                                                 {key: "C.UTF-8"})

@@ -3,7 +3,7 @@
 VS Code's Jupyter extension writes a connection file, runs the kernelspec's argv itself
 (no jupyter_client manager, no provisioner), talks to the kernel with a bare client,
 interrupts it with SIGINT to the process it started and ends it by killing that process.
-Here the same, against a real zygote: the launcher (``overmind_lab._kernel.launcher``)
+Here the same, against a real zygote: the launcher (``overmind_lab._launcher``)
 must give a forked kernel, forward SIGINT, die with its kernel's status, take the kernel
 with it when SIGKILLed, and fall back to a plain kernel in its own place when no zygote
 serves. ``jupyter nbconvert --execute`` goes through the provisioner; the zygote's idle
@@ -30,8 +30,8 @@ from typing import Any
 
 import pytest
 
-from overmind_lab._kernel import spec
-from overmind_lab._kernel.naming import ZygotePaths
+from overmind_lab._common.zygote_paths import ZygotePaths
+from overmind_lab._jupyter_server import kernelspec as spec
 from tests.conftest import run_cell
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
@@ -40,7 +40,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Li
 #: plain kernel imports: a kernel that has it was forked.
 PRELOAD = ("torch,threadpoolctl,IPython,ipykernel,ipykernel.kernelapp,ipykernel.ipkernel,"
            "colorsys")
-LAUNCHER = [sys.executable, "-m", "overmind_lab._kernel.launcher"]
+LAUNCHER = [sys.executable, "-m", "overmind_lab._launcher"]
 PROBE = "import os, sys; print(os.getpid(), 'torch' in sys.modules, 'colorsys' in sys.modules)"
 
 
@@ -87,8 +87,8 @@ def _env(run_dir: Path, **extra: str) -> dict[str, str]:
 def zygote(run_dir: Path) -> Path:
     """A ready zygote for the launchers' environment, owned by this test process."""
     env = _env(run_dir)
-    code = ("import os, sys\nfrom overmind_lab._kernel.naming import ZygotePaths\n"
-            "from overmind_lab._kernel.zygote import spawn\n"
+    code = ("import os, sys\nfrom overmind_lab._common.zygote_paths import ZygotePaths\n"
+            "from overmind_lab._common.zygote_client import spawn\n"
             f"spawn(ZygotePaths.for_launch(sys.executable, os.environ), owners=[{os.getpid()}],"
             " env=dict(os.environ))\n")
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120, cwd="/")

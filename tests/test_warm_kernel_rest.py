@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from tornado.httpclient import HTTPResponse
 
-from overmind_lab._kernel import zygote as zygote_mod
-from overmind_lab._kernel.naming import ZygotePaths
+from overmind_lab._common import zygote_client as zygote_mod
+from overmind_lab._common.zygote_paths import ZygotePaths
 from tests.test_warm_kernel import _kill_ours, ready_zygote
 
 pytest_plugins = ["pytest_jupyter.jupyter_server"]
@@ -26,7 +26,7 @@ Fetch = Callable[..., Awaitable[HTTPResponse]]
 
 @pytest.fixture
 def jp_server_config() -> dict[str, Any]:
-    return {"ServerApp": {"jpserver_extensions": {"overmind_lab._jupyter.server": True},
+    return {"ServerApp": {"jpserver_extensions": {"overmind_lab._jupyter_server": True},
                           "reraise_server_extension_failures": True}}
 
 

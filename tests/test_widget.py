@@ -12,8 +12,8 @@ from diffusers import UNet2DConditionModel
 
 import overmind_lab
 from overmind_lab import Client
-from overmind_lab._jupyter.display import entry_speedup, format_bytes, format_seconds
-from overmind_lab._jupyter.widget import OvermindPanel
+from overmind_lab._common.display import entry_speedup, format_bytes, format_seconds
+from overmind_lab._loading.widget import OvermindPanel
 from tests import loaders
 
 

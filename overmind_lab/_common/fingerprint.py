@@ -81,7 +81,7 @@ ALIGNED64 = "data_ptr%64"
 #   offsets, but memory from malloc (numpy's arrays, ``torch.from_numpy`` over them:
 #   schedulers' timesteps) is only 16-byte aligned, so two plain loads differ in it.
 #   ``data_ptr%16`` always counts, and the rebuild keeps the address modulo 64 anyway
-#   (Note [Addresses modulo 64] in ``_client/pickling``), which our own tests check.
+#   (Note [Addresses modulo 64] in ``_loading/pickling``), which our own tests check.
 INTENDED = frozenset({RESIZABLE, ALIGNED64})
 
 

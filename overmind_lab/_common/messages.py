@@ -1,7 +1,8 @@
-"""The daemon's wire messages, typed: one request and one reply per operation.
+"""The wire messages, typed: the daemon's (one request and one reply per operation), and
+the zygote's (at the end: `ZygoteRequest`, `ZygoteReply`).
 
 Both sides import these: the daemon (``_daemon.server``, ``_daemon.refresh``) builds the
-replies and reads the requests, the client (``_client.client``, ``_client.load``) does the
+replies and reads the requests, the client (``_loading.client``, ``_loading.load``) does the
 reverse, and the Jupyter side shows what ``status`` and ``list`` return. A frame is a JSON
 object (``_common.protocol``); the types below say which object each operation sends.
 
@@ -32,7 +33,7 @@ as ``kind``, a sentence as ``error``).
 
 Three values are JSON the daemon never looks into, typed `JsonObject` on purpose: an
 entry's ``meta`` (how the client rebuilds the result: its own format, see
-``_client.load``), the ``validate`` record (what a restarted daemon compares, see
+``_loading.load``), the ``validate`` record (what a restarted daemon compares, see
 ``_daemon.persist``) and the arguments of a replayable call (`ReplaySpec`: whatever the
 user passed, JSON-encoded).
 
@@ -55,6 +56,8 @@ __all__ = [
     "LinkReply", "StoreReply", "RefreshState", "EntryJson", "ListReply", "EvictReply",
     "RefreshReply", "StopReply", "Reply",
     "RefreshJob", "RefreshResult",
+    "ZygoteOp", "ZYGOTE_OPS", "ForkRequest", "ZygoteOpRequest", "ZygoteRequest", "ForkReply",
+    "ZygoteRefusal", "ExitReport", "ZygoteStatus", "ReplaceReply", "ZygoteReply",
 ]
 
 #: The daemon's operations, as the ``"op"`` of a request.
@@ -121,10 +124,10 @@ class SegmentSpec(TypedDict):
 
 
 class ReplaySpec(TypedDict):
-    """How to re-run a cached call (``Note [Replay]`` in ``_client.keys``)."""
+    """How to re-run a cached call (``Note [Replay]`` in ``_loading.keys``)."""
 
     callable: str  # ``module:qualname``
-    args: list[object]  # JSON-encoded arguments (``_client.keys.revive`` decodes them)
+    args: list[object]  # JSON-encoded arguments (``_loading.keys.revive`` decodes them)
     kwargs: dict[str, object]
     python: str  # the interpreter that stored the entry
     sys_path: list[str]
@@ -333,3 +336,91 @@ class RefreshResult(TypedDict, total=False):
     key: str | None
     seconds: float
     error: str
+
+
+# -- the zygote's wire ----------------------------------------------------------------------
+# Note [The zygote's wire]: whoever starts a warm kernel (the provisioner in a Jupyter
+# server, or the kernelspec launcher: ``_common.zygote_client``) and ``overmind-lab
+# kernel status|restart-zygote`` (``_jupyter_server.kernelspec``) talk to a zygote
+# (``_zygote.loop``) over its Unix socket, in the frames of ``_common.protocol``:
+#
+# ============  ===================  =====================================================
+# op            request              reply
+# ============  ===================  =====================================================
+# ``fork``      `ForkRequest` + the  `ForkReply` + a pidfd of the kernel; later, on the
+#               kernel's stdin,      same connection, one `ExitReport` when the zygote
+#               stdout, stderr fds   has reaped it
+# ``status``    `ZygoteOpRequest`    `ZygoteStatus`
+# ``replace``   `ZygoteOpRequest`    `ReplaceReply`: a replacement is booting, this one
+#                                    retires (Note [Replacing a zygote])
+# ``owner``     `ZygoteOpRequest`    `OkReply`: the sender is an owner (Note [Owners])
+# ============  ===================  =====================================================
+#
+# Any request may be refused instead: `ZygoteRefusal` (``ok: false``, ``reason``).
+
+#: The zygote's operations, as the ``"op"`` of a request.
+ZygoteOp = Literal["fork", "status", "replace", "owner"]
+ZYGOTE_OPS: tuple[ZygoteOp, ...] = get_args(ZygoteOp)
+
+
+class ForkRequest(TypedDict):
+    """Fork a kernel: ``python -m MODULE ARGS`` as ``argv``, in ``cwd`` with ``env``."""
+
+    op: Literal["fork"]
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    #: give the kernel a pidfd of the requester and exit with it (Note [Parent death])
+    watch_parent: bool
+    #: the requester's process attributes for the kernel (``_common.inherit.observe``);
+    #: empty: the zygote's own
+    inherit: JsonObject
+
+
+class ZygoteOpRequest(TypedDict):
+    op: Literal["status", "replace", "owner"]
+
+
+ZygoteRequest = ForkRequest | ZygoteOpRequest
+
+
+class ForkReply(OkReply):
+    pid: int
+    fork_ms: float  # how long ``os.fork()`` took in the zygote
+
+
+class ZygoteRefusal(TypedDict):
+    ok: Literal[False]
+    reason: str
+
+
+class ExitReport(TypedDict):
+    """The forked kernel's exit status (``os.waitstatus_to_exitcode``; -1: unknown)."""
+
+    exit: int
+
+
+class ZygoteStatus(OkReply):
+    pid: int
+    identity: str
+    socket: str
+    python: str
+    preloaded: int  # how many modules
+    preload_roots: list[str]  # their top-level packages
+    failed: list[str]  # preloads that failed, with why
+    refusal: str | None  # why it forks nothing (threads, CUDA...), if so
+    forks: int
+    last_fork_ms: float | None
+    kernels: int  # alive now
+    owners: list[int]
+    uptime_seconds: float
+    retiring: str | None
+    import_env: list[str]  # variables preloaded modules set at their import
+    differences: list[str]  # from a fresh kernel (Note [What a warm kernel does not ...])
+
+
+class ReplaceReply(OkReply):
+    pid: int  # of the retiring zygote
+
+
+ZygoteReply = ForkReply | ZygoteRefusal | ExitReport | ZygoteStatus | ReplaceReply | OkReply

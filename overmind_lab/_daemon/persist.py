@@ -9,7 +9,7 @@ A new daemon reopens the index (:func:`restore`). An entry comes back only if
 - every segment file it uses passes its trailer check (size, magic, checksums);
 - the files of its source directory still have the (device, inode, size, mtime, ctime)
   recorded when it was stored (the same check the client's cache key makes, Note [File
-  signatures] in ``_client/keys.py``; a re-saved model is a new key, and the old entry
+  signatures] in ``_loading/keys.py``; a re-saved model is a new key, and the old entry
   would only take room);
 - the libraries it was loaded with still have the recorded versions, where the daemon can
   tell (same interpreter).
@@ -135,7 +135,7 @@ def _check(entry: Entry, opened: dict[str, Segment], bad: dict[str, str]) -> str
 def source_changed(source: Any) -> str | None:
     """Why a recorded source signature no longer matches the disk, or ``None``.
 
-    The client's signature (Note [File signatures] in ``_client/keys.py``): for a single
+    The client's signature (Note [File signatures] in ``_loading/keys.py``): for a single
     file ``[dev, ino, size, mtime_ns, ctime_ns]``, for a directory one
     ``[relative path, dev, ino, size, mtime_ns, ctime_ns]`` per file. A signature in any
     other shape (an older client's, without inode and ctime) cannot be checked: it counts

@@ -8,7 +8,7 @@ old entry if the key changed; processes that still map the old version keep it. 
 whose call cannot be replayed is evicted, and the refresh says so.
 
 The daemon side (:class:`Refresher`) imports only the standard library; the worker side
-(``python -m overmind_lab._client.refresh_worker``) imports the model libraries.
+(``python -m overmind_lab._loading.refresh_worker``) imports the model libraries.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class Refresher:
         started = time.monotonic()
         try:
             proc = await asyncio.create_subprocess_exec(
-                call.get("python") or sys.executable, "-m", "overmind_lab._client.refresh_worker",
+                call.get("python") or sys.executable, "-m", "overmind_lab._loading.refresh_worker",
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE, cwd=call.get("cwd") or "/", env=env)
             self.workers.add(proc)

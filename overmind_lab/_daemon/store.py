@@ -131,7 +131,7 @@ def new_segment_id() -> str:
     return secrets.token_hex(8)
 
 
-#: What a file's identity is made of (Note [File signatures] in ``_client/keys.py``).
+#: What a file's identity is made of (Note [File signatures] in ``_loading/keys.py``).
 IDENTITY = ("dev", "ino", "size", "mtime_ns", "ctime_ns")
 
 

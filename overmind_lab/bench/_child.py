@@ -152,7 +152,7 @@ def _main(job: dict[str, Any]) -> None:
     t_lib = time.perf_counter()
     if cached or job.get("import_overmind", False):
         import overmind_lab
-        import overmind_lab._client.load
+        import overmind_lab._loading.load
     t_om = time.perf_counter()
     _send(
         "ready",

@@ -6,7 +6,7 @@ median <= 50 ms with 100 entries). Steps, all against the benchmark's daemon:
 1. one child process (``python -m overmind_lab.bench._rest ENTRIES``) stores that many
    small entries: ``overmind_lab.load(make_entry, i)`` for each ``i`` (a tiny tensor dict;
    :func:`make_entry` is importable by name, so each ``i`` is its own entry);
-2. a real ``jupyter server`` with the ``overmind_lab._jupyter.server`` extension is started with
+2. a real ``jupyter server`` with the ``overmind_lab._jupyter_server`` extension is started with
    ``OVERMIND_LAB_SOCKET`` in its environment, on a free port, with a random token;
 3. after a few warm-up requests, sequential ``GET`` requests (``urllib.request``, one
    connection each, no proxy) are timed from sending to the end of the body, and every
@@ -38,7 +38,7 @@ LIMIT_SECONDS = 0.050
 WARMUP = 3
 REQUESTS = 50
 BASE_URL = "/bench/"
-_EXTENSION = "--ServerApp.jpserver_extensions={'overmind_lab._jupyter.server': True}"
+_EXTENSION = "--ServerApp.jpserver_extensions={'overmind_lab._jupyter_server': True}"
 
 
 def make_entry(i: int) -> dict[str, Any]:

@@ -100,7 +100,7 @@ class _Lab:
                                     extra_args=(f"--ServerApp.root_dir={self.dir}",))
 
     def start(self, progress: Progress) -> None:
-        from overmind_lab._kernel.spec import kernel_json
+        from overmind_lab._jupyter_server.kernelspec import kernel_json
 
         self.daemon.start()
         for name, warm in (("bench-plain", False), ("bench-warm", True)):
@@ -126,7 +126,7 @@ class _Lab:
 
     def zygote(self, not_pid: int | None = None) -> dict[str, Any]:
         """The zygote's status once one serves (and is not ``not_pid``)."""
-        from overmind_lab._kernel.spec import zygotes
+        from overmind_lab._jupyter_server.kernelspec import zygotes
 
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
@@ -138,7 +138,7 @@ class _Lab:
                            f"{self.log_dir / 'warm-kernel-server.log'}")
 
     def zygote_pids(self) -> set[int]:
-        from overmind_lab._kernel.spec import zygotes
+        from overmind_lab._jupyter_server.kernelspec import zygotes
 
         return {int(z["pid"]) for z in zygotes(self.dir)}
 
@@ -184,7 +184,7 @@ def _restarts(lab: _Lab, name: str, cell: str, repeat: int, progress: Progress) 
                      f"({'fills the cache' if kind == 'plain' else 'the zygote learns its imports'})")
             k.execute(cell)
             if kind == "warm":
-                from overmind_lab._kernel.spec import restart_zygotes
+                from overmind_lab._jupyter_server.kernelspec import restart_zygotes
 
                 k.restart()  # the kernel's exit records the modules it imported
                 old = lab.zygote()["pid"]

@@ -1,6 +1,6 @@
 """The zygote: a process that imported the heavy libraries once and forks kernels.
 
-Run as ``python -m overmind_lab._kernel.zygote --socket PATH --owner PID`` (the
+Run as ``python -m overmind_lab._zygote --socket PATH --owner PID`` (the
 provisioner starts it, detached, on first use). It listens on a Unix socket in the
 per-user 0700 directory, serves only its own uid (``SO_PEERCRED``), and answers:
 
@@ -16,11 +16,11 @@ thread pool, CUDA or zmq, and checks that before every fork (:func:`fork_refusal
 
 Note [Owners]: a zygote lives as long as some *owner* (a Jupyter server, or a kernelspec
 launcher, that asked it for kernels) or one of its kernels lives, and then for the idle
-time (Note [Idle zygote]: ``$OVERMIND_LAB_ZYGOTE_IDLE``, default 300 s, ``naming.py``), so
-that nbconvert or papermill in a loop is warm from its second run. It watches each owner
-through a pidfd; a SIGKILLed server leaves its zygote for the idle time only (none with
-``OVERMIND_LAB_ZYGOTE_IDLE=0``), and its kernels exit on their own (Note [Parent death]
-in ``child.py``).
+time (Note [Idle zygote]: ``$OVERMIND_LAB_ZYGOTE_IDLE``, default 300 s,
+``_common/zygote_paths.py``), so that nbconvert or papermill in a loop is warm from its
+second run. It watches each owner through a pidfd; a SIGKILLed server leaves its zygote
+for the idle time only (none with ``OVERMIND_LAB_ZYGOTE_IDLE=0``), and its kernels exit on
+their own (Note [Parent death] in ``_forked/become.py``).
 
 Note [Replacing a zygote]: a zygote binds a temporary socket name, imports, and only then
 renames the socket over the public name, so the old zygote keeps serving until the new
@@ -45,19 +45,27 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from overmind_lab._common.protocol import Channel, bind_private
-from overmind_lab._kernel import inherit, preload
-from overmind_lab._kernel.child import INTENDED_DIFFERENCES
-from overmind_lab._kernel.naming import (
-    ZYGOTE_ONLY_ENV,
-    ZygotePaths,
-    identity,
-    zygote_idle_seconds,
+from overmind_lab._common import inherit
+from overmind_lab._common.messages import (
+    ZYGOTE_OPS,
+    ForkReply,
+    ForkRequest,
+    OkReply,
+    ReplaceReply,
+    ZygoteRefusal,
+    ZygoteRequest,
+    ZygoteStatus,
 )
+from overmind_lab._common.protocol import Channel, bind_private
+from overmind_lab._common.zygote_client import spawn, user_env
+from overmind_lab._common.zygote_paths import ZygotePaths, identity, zygote_idle_seconds
+from overmind_lab._forked import become
+from overmind_lab._forked.become import INTENDED_DIFFERENCES, ForkTask
+from overmind_lab._zygote import preload
 
-__all__ = ["ChildTask", "serve", "spawn", "fork_refusal", "main"]
+__all__ = ["serve", "fork_refusal", "main"]
 
 log = logging.getLogger("overmind_lab.zygote")
 
@@ -67,7 +75,6 @@ _READY_TIMEOUT = 10.0
 #: How long a fork may wait for the BLAS probe of a CPU affinity not seen before.
 _AFFINITY_PROBE_TIMEOUT = 8.0
 #: The user's own value of a variable the zygote overrides (``spawn``) is kept under this.
-_ORIG = "OVERMIND_LAB_ORIG_"
 _TICK_MS = 500
 #: A replacement that did not take over (it failed, or lost the boot lock) is asked again.
 _RENEW_AGAIN_S = 30.0
@@ -79,27 +86,6 @@ _PROBE = (
     "print(json.dumps({i['filepath']: i['num_threads'] "
     "for i in threadpoolctl.threadpool_info()}))\n"
 )
-
-
-@dataclass
-class ChildTask:
-    """What a forked child needs to become a kernel (see ``child.py``)."""
-
-    argv: list[str]
-    env: dict[str, str]
-    cwd: str
-    stdio: list[int]
-    parent_pidfd: int | None
-    thread_targets: dict[str, int]
-    learned_path: Path
-    preloaded: frozenset[str]
-    #: The server's attributes to take on (Note [Inherited process attributes]).
-    inherit: dict[str, Any] = field(default_factory=dict)
-    #: Where the child says "ok" or why it cannot take them on; the zygote waits for it.
-    ready_fd: int | None = None
-    #: Set at start if the kernel's environment lacks them (Note [Environment set at
-    #: import]).
-    start_env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -157,9 +143,9 @@ def _stop_library_threads() -> None:
       the parent had used it. The zygote never encodes, so the pool is unused and the
       kernel gets it as a fresh process does, governed by the kernel's own
       ``TOKENIZERS_PARALLELISM`` (the environment is replaced, the C library's too).
-      ``TOKENIZERS_*`` also belongs to the zygote's identity (``naming.py``).
+      ``TOKENIZERS_*`` also belongs to the zygote's identity (``_common/zygote_paths.py``).
     """
-    from overmind_lab._kernel.child import tqdm_classes
+    from overmind_lab._forked.become import tqdm_classes
 
     for cls in tqdm_classes():
         monitor = vars(cls).get("monitor")
@@ -219,15 +205,6 @@ def _targets_for(state: _State, wanted: dict[str, Any]) -> dict[str, int]:
             found = {}
         state.targets_by_cpus[cpus] = found
     return state.targets_by_cpus[cpus]
-
-
-def user_env(env: dict[str, str]) -> dict[str, str]:
-    """The zygote's environment without what ``spawn`` set for the zygote only."""
-    env = {k: v for k, v in env.items() if k not in ZYGOTE_ONLY_ENV}
-    for k in ZYGOTE_ONLY_ENV:
-        if _ORIG + k in env:
-            env[k] = env.pop(_ORIG + k)
-    return env
 
 
 def _entry_classes() -> list[str]:
@@ -358,7 +335,7 @@ def _add_owner(state: _State, pid: int) -> None:
         pass
 
 
-def _status(state: _State) -> dict[str, Any]:
+def _status(state: _State) -> ZygoteStatus:
     return {
         "ok": True, "pid": os.getpid(), "identity": state.paths.ident,
         "socket": str(state.paths.socket), "python": sys.executable,
@@ -375,7 +352,7 @@ def _status(state: _State) -> dict[str, Any]:
     }
 
 
-def _refuse(state: _State, request: dict[str, Any]) -> str | None:
+def _refuse(state: _State, request: ForkRequest) -> str | None:
     if state.retiring:
         return f"the zygote is retiring ({state.retiring})"
     if state.refusal:
@@ -424,14 +401,22 @@ def _await_ready(fd: int) -> str | None:
     return data.decode(errors="replace") or "the forked kernel exited before it started"
 
 
+def _refused(chan: Channel, reason: str) -> None:
+    refusal: ZygoteRefusal = {"ok": False, "reason": reason}
+    chan.send(refusal)
+
+
 def _handle_fork(state: _State, conn: socket.socket, chan: Channel,
-                 request: dict[str, Any], fds: list[int], peer: int) -> ChildTask | None:
+                 request: ForkRequest, fds: list[int], peer: int) -> None:
+    """Fork a kernel for ``request``. In the parent it returns once the child said it
+    started (or could not); in the child it never returns (Note [Leaving the zygote's
+    loop] in ``_forked/become.py``)."""
     why = _refuse(state, request)
     if why or len(fds) != 3:
         for fd in fds:
             os.close(fd)
-        chan.send({"ok": False, "reason": why or "fork needs stdin, stdout and stderr"})
-        return None
+        _refused(chan, why or "fork needs stdin, stdout and stderr")
+        return
     parent_pidfd = None
     if request.get("watch_parent"):
         try:
@@ -441,22 +426,22 @@ def _handle_fork(state: _State, conn: socket.socket, chan: Channel,
     wanted = request.get("inherit")
     task_inherit = dict(wanted) if isinstance(wanted, dict) else {}
     ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
-    task = ChildTask(
+    task = ForkTask(
         argv=[str(a) for a in request["argv"]],
         env={str(k): str(v) for k, v in dict(request["env"]).items()},
         cwd=str(request.get("cwd") or os.getcwd()), stdio=fds, parent_pidfd=parent_pidfd,
         thread_targets=_targets_for(state, task_inherit), learned_path=state.paths.learned,
         preloaded=frozenset(state.preloaded),
         inherit=task_inherit, ready_fd=ready_w, start_env=state.start_env)
-    # Note [Interrupted at birth] in child.py: the child unblocks SIGINT when its handler
-    # for the start-up is in place.
+    # Note [Interrupted at birth] in ``_forked/become.py``: the child unblocks SIGINT when
+    # its handler for the start-up is in place.
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
     t0 = time.perf_counter()
     pid = os.fork()
     if pid == 0:
         os.close(ready_r)
         _close_for_child(state, keep=[*fds, *([parent_pidfd] if parent_pidfd else [])])
-        return task
+        become.run_and_exit(task)  # the route out of the zygote: it never returns
     state.last_fork_ms = (time.perf_counter() - t0) * 1000
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     os.close(ready_w)
@@ -468,21 +453,21 @@ def _handle_fork(state: _State, conn: socket.socket, chan: Channel,
     if not_ready:
         _reap_unready(pid)
         log.info("forked child %d for %d could not start: %s", pid, peer, not_ready)
-        chan.send({"ok": False, "reason": not_ready})
-        return None
+        _refused(chan, not_ready)
+        return
     state.forks += 1
     pidfd = os.pidfd_open(pid)
     _add_owner(state, peer)
     child = _Child(pid, pidfd, conn)
     state.children[pidfd] = child
     state.conns.pop(conn.fileno(), None)
+    reply: ForkReply = {"ok": True, "pid": pid, "fork_ms": state.last_fork_ms}
     try:
-        chan.send({"ok": True, "pid": pid, "fork_ms": state.last_fork_ms}, [pidfd])
+        chan.send(reply, [pidfd])
     except OSError:
         pass  # the provisioner went away; the kernel's own parent watch decides
     log.info("forked kernel %d for %d in %.1f ms", pid, peer, state.last_fork_ms)
     _maybe_renew(state)
-    return None
 
 
 def _reap_unready(pid: int) -> None:
@@ -580,18 +565,21 @@ def _accept(state: _State) -> None:
     state.conns[conn.fileno()] = conn
 
 
-def _serve_conn(state: _State, conn: socket.socket) -> ChildTask | None:
+def _serve_conn(state: _State, conn: socket.socket) -> None:
+    """One request (Note [The zygote's wire] in ``_common/messages.py``)."""
     chan = Channel(conn, _REPLY_TIMEOUT)
     try:
-        request, fds = chan.recv()
+        frame, fds = chan.recv()
     except Exception:  # noqa: BLE001 - a broken client only loses its connection
         state.conns.pop(conn.fileno(), None)
         conn.close()
-        return None
+        return
     _uid, peer = _peer_uid_pid(conn)
+    request = cast(ZygoteRequest, frame)
     op = request.get("op")
     if op == "fork":
-        return _handle_fork(state, conn, chan, request, fds, peer)
+        _handle_fork(state, conn, chan, cast(ForkRequest, request), fds, peer)
+        return
     for fd in fds:
         os.close(fd)
     if op == "status":
@@ -599,13 +587,14 @@ def _serve_conn(state: _State, conn: socket.socket) -> ChildTask | None:
     elif op == "replace":
         spawn(state.paths, owners=[*state.owners, peer], env=user_env(dict(os.environ)))
         state.retiring = "replaced on request"
-        chan.send({"ok": True, "pid": os.getpid()})
+        replaced: ReplaceReply = {"ok": True, "pid": os.getpid()}
+        chan.send(replaced)
     elif op == "owner":
         _add_owner(state, peer)
-        chan.send({"ok": True})
+        ok: OkReply = {"ok": True}
+        chan.send(ok)
     else:
-        chan.send({"ok": False, "error": f"unknown op {op!r}"})
-    return None
+        _refused(chan, f"unknown op {op!r} (the zygote's are {', '.join(ZYGOTE_OPS)})")
 
 
 def _replaced(state: _State) -> bool:
@@ -615,13 +604,13 @@ def _replaced(state: _State) -> bool:
         return True
 
 
-def _loop(state: _State) -> ChildTask | None:
+def _loop(state: _State) -> None:
     idle_since: float | None = None
     while True:
         if state.retiring is None and _replaced(state):
             state.retiring = "replaced by a newer zygote"
         if state.retiring and not state.children:
-            return None
+            return
         # Note [Idle zygote]: with no owner and no kernel left, it stays for the idle time
         # (OVERMIND_LAB_ZYGOTE_IDLE), so that the next run (nbconvert, papermill, a VS Code
         # launcher) is forked; a new owner or kernel resets the clock.
@@ -632,7 +621,7 @@ def _loop(state: _State) -> ChildTask | None:
         if idle_since is not None and time.monotonic() - idle_since >= zygote_idle_seconds():
             log.info("no owner and no kernel for %.0f s; exiting",
                      time.monotonic() - idle_since)
-            return None
+            return
         poller = select.poll()
         if not state.retiring:
             poller.register(state.listener, select.POLLIN)
@@ -644,9 +633,7 @@ def _loop(state: _State) -> ChildTask | None:
             elif fd in state.children:
                 _reap(state, fd)
             elif fd in state.conns:
-                task = _serve_conn(state, state.conns[fd])
-                if task is not None:
-                    return task
+                _serve_conn(state, state.conns[fd])
             else:
                 for pid, pfd in list(state.owners.items()):
                     if pfd == fd:
@@ -664,49 +651,23 @@ def _unlink_own_socket(state: _State) -> None:
         pass
 
 
-def serve(paths: ZygotePaths, owners: list[int]) -> ChildTask | None:
-    """Boot and serve; returns in a forked child (its task) or when the zygote is done."""
+def serve(paths: ZygotePaths, owners: list[int]) -> None:
+    """Boot and serve until the zygote is done (a forked child never returns here)."""
     state = boot(paths, owners)
     if state is None:
-        return None
-    task = _loop(state)
-    if task is None:
-        _unlink_own_socket(state)
-        state.listener.close()
-    return task
-
-
-def spawn(paths: ZygotePaths, owners: list[int], env: dict[str, str]) -> None:
-    """Start a zygote for ``paths`` in the background, detached (not our child)."""
-    env = {k: v for k, v in env.items() if not k.startswith("JPY_")}
-    for k in ZYGOTE_ONLY_ENV:
-        if k in env and _ORIG + k not in env:
-            env[_ORIG + k] = env[k]
-    # Note [BLAS threads]: OpenBLAS starts its pool when numpy is imported; with one
-    # thread it starts none, and the child sets the count a fresh process has.
-    env["OPENBLAS_NUM_THREADS"] = "1"
-    env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
-    cmd = [sys.executable, "-m", "overmind_lab._kernel.zygote", "--socket",
-           str(paths.socket), "--identity", paths.ident,
-           *[a for pid in owners for a in ("--owner", str(pid))]]
-    log_fd = os.open(paths.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
-    try:
-        # A shell that backgrounds the zygote and exits: the zygote is nobody's child
-        # to reap, in its own session, holding no descriptor of the caller.
-        subprocess.run(["/bin/sh", "-c", 'exec "$@" &', "sh", *cmd], env=env, cwd="/",
-                       stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
-                       start_new_session=True, close_fds=True, check=True, timeout=10)
-    finally:
-        os.close(log_fd)
+        return
+    _loop(state)
+    _unlink_own_socket(state)
+    state.listener.close()
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m overmind_lab._kernel.zygote")
+    parser = argparse.ArgumentParser(prog="python -m overmind_lab._zygote")
     parser.add_argument("--socket", required=True)
     parser.add_argument("--identity", required=True)
     parser.add_argument("--owner", type=int, action="append", default=[])
     args = parser.parse_args(argv)
-    # Note [Third-party only] in preload.py: nothing may be imported from the directory
+    # Note [Third-party only] in ``_zygote/preload.py``: nothing may be imported from the directory
     # ``-m`` put first on sys.path (the child puts its own cwd there, as ``-m`` does).
     # Not ``-P``: that sets sys.flags.safe_path, which a fresh kernel does not have.
     if sys.path and not sys.flags.safe_path and sys.path[0] == os.getcwd():
@@ -716,12 +677,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     socket_path = Path(args.socket)
     paths = ZygotePaths(socket_path.parent, args.identity)
-    task = serve(paths, args.owner)
-    if task is None:
-        return 0
-    from overmind_lab._kernel.child import exit_now, run
-
-    exit_now(run(task))
+    serve(paths, args.owner)
     return 0
 
 

@@ -7,7 +7,7 @@ environment to fork the kernel, passing the command, env, cwd and this process's
 stdout/stderr; ``poll``/``wait``/``send_signal``/``kill``/``terminate`` go through a
 pidfd of the kernel, so that a pid the system reused is never signalled; ``cleanup``
 closes it. With the request go the server's own process attributes (umask, nice,
-limits, groups, cgroup...: Note [Inherited process attributes] in ``inherit.py``), which a
+limits, groups, cgroup...: Note [Inherited process attributes] in ``_common/inherit.py``), which a
 plain kernel would inherit; a zygote that cannot give them to its child refuses.
 
 Note [Never worse than plain]: any failure of the warm path (no zygote yet, a stale one,
@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import select
 import signal
-import socket
 import sys
 import time
 from typing import Any
@@ -30,66 +28,15 @@ from typing import Any
 from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning.local_provisioner import LocalProvisioner
 
-from overmind_lab._common.protocol import Channel
-from overmind_lab._errors import OvermindError
-from overmind_lab._kernel import inherit
-from overmind_lab._kernel.launcher import kernel_argv
+from overmind_lab._common import inherit
+from overmind_lab._common.zygote_client import (
+    WarmKernel,
+    WarmUnavailable,
+    kernel_argv,
+    request_fork,
+)
 
-__all__ = ["WarmProvisioner", "WarmUnavailable", "request_fork"]
-
-_CONNECT_TIMEOUT = 5.0
-_FORK_TIMEOUT = 20.0
-
-
-class WarmUnavailable(OvermindError):
-    """The warm path cannot serve this launch; the message says why."""
-
-
-class WarmKernel:
-    """A forked kernel: its pid, a pidfd, and the zygote connection that reports its exit."""
-
-    def __init__(self, pid: int, pidfd: int, chan: Channel) -> None:
-        self.pid = pid
-        self.pidfd = pidfd
-        self.chan = chan
-        self.exit_code: int | None = None
-
-    def exited(self) -> bool:
-        return bool(select.select([self.pidfd], [], [], 0)[0])
-
-    def returncode(self) -> int | None:
-        if not self.exited():
-            return None
-        if self.exit_code is None:
-            self.exit_code = self._read_exit()
-        return self.exit_code
-
-    def _read_exit(self) -> int:
-        # The zygote reaps the child and reports its status right after the pidfd fires.
-        try:
-            self.chan.settimeout(1.0)
-            msg, fds = self.chan.recv()
-            for fd in fds:
-                os.close(fd)
-            code = msg.get("exit", -1)
-            return code if isinstance(code, int) else -1
-        except (OvermindError, OSError, ValueError):
-            return -1  # the zygote died too: the status is lost
-
-    def signal(self, signum: int) -> None:
-        """Signal the kernel's process group (its own session), never a reused pid."""
-        if self.exited():
-            return
-        signal.pidfd_send_signal(self.pidfd, signum)
-        try:
-            os.killpg(self.pid, signum)  # its subprocesses; the group id is the kernel's pid
-        except ProcessLookupError:
-            pass
-
-    def close(self) -> None:
-        os.close(self.pidfd)
-        self.chan.sock.close()
-
+__all__ = ["WarmProvisioner"]
 
 def _stdio_fds(kwargs: dict[str, Any]) -> list[int]:
     fds = []
@@ -113,54 +60,6 @@ def _stdio_fds(kwargs: dict[str, Any]) -> list[int]:
     return fds
 
 
-def request_fork(cmd: list[str], env: dict[str, str], cwd: str,
-                 stdio: list[int], watch_parent: bool,
-                 attributes: dict[str, Any] | None = None) -> WarmKernel:
-    """Ask the zygote for ``cmd`` (blocking); starts a zygote when none runs.
-
-    ``attributes`` (``inherit.observe()`` in the thread that would start a plain kernel)
-    are what the kernel takes on; ``None``: the zygote's own."""
-    from overmind_lab._kernel.naming import ZygotePaths, zygote_boot_wait_seconds
-    from overmind_lab._kernel.zygote import spawn
-
-    if not sys.platform.startswith("linux"):
-        raise WarmUnavailable(f"warm kernels need Linux (this is {sys.platform})")
-    paths = ZygotePaths.for_launch(cmd[0], env)
-    paths.wait_while_booting(zygote_boot_wait_seconds(env))  # Note [Waiting for a booting zygote]
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    sock.settimeout(_CONNECT_TIMEOUT)
-    try:
-        sock.connect(str(paths.socket))
-    except OSError as exc:
-        sock.close()
-        spawn(paths, owners=[os.getpid()], env=env)
-        raise WarmUnavailable(f"no zygote was running ({exc.strerror}); started one "
-                              "for the next launch") from exc
-    chan = Channel(sock, _FORK_TIMEOUT)
-    try:
-        chan.send({"op": "fork", "argv": cmd, "env": env, "cwd": cwd,
-                   "watch_parent": watch_parent, "inherit": attributes or {}}, stdio)
-        reply, fds = chan.recv()
-    except (OvermindError, OSError) as exc:
-        sock.close()
-        raise WarmUnavailable(f"the zygote failed to answer: {exc}") from exc
-    if not reply.get("ok") or len(fds) != 1:
-        for fd in fds:
-            os.close(fd)
-        sock.close()
-        reason = str(reply.get("reason") or reply.get("error") or "no reason given")
-        if "stale" in reason:
-            spawn(paths, owners=[os.getpid()], env=env)
-            reason += "; started a fresh zygote for the next launch"
-        raise WarmUnavailable(f"the zygote refused to fork: {reason}")
-    pid = reply.get("pid")
-    if not isinstance(pid, int):
-        os.close(fds[0])
-        sock.close()
-        raise WarmUnavailable(f"the zygote answered a fork without a pid: {reply!r}")
-    return WarmKernel(pid, fds[0], chan)
-
-
 def _observe() -> dict[str, Any]:
     if not sys.platform.startswith("linux"):
         raise WarmUnavailable(f"warm kernels need Linux (this is {sys.platform})")
@@ -180,7 +79,7 @@ class WarmProvisioner(LocalProvisioner):
         return self.warm is not None or self.process is not None
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
-        cmd = kernel_argv(cmd)  # the kernelspec runs launcher.py where no provisioner does
+        cmd = kernel_argv(cmd)  # the kernelspec's argv is the launcher (``_launcher``)
         env = dict(kwargs.get("env") or os.environ)
         cwd = str(kwargs.get("cwd") or os.getcwd())
         watch_parent = not kwargs.get("independent", False)

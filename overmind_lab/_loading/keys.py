@@ -39,9 +39,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from overmind_lab._client import user_code
 from overmind_lab._common.messages import ReplaySpec
 from overmind_lab._errors import NotCacheable
+from overmind_lab._loading import user_code
 
 __all__ = ["KeyInfo", "make_key", "key_of", "remember", "FORMAT_VERSION"]
 

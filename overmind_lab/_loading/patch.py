@@ -142,7 +142,7 @@ def patch_all(*, diffusers: bool = True, transformers: bool = True,
     True
     """
     if verify is not None:
-        from overmind_lab._client.load import set_verify
+        from overmind_lab._loading.load import set_verify
 
         set_verify(verify)
     libraries = tuple(

@@ -1,12 +1,13 @@
 """``overmind-lab kernel install|status|uninstall|restart-zygote``.
 
 ``install`` writes a kernelspec whose metadata selects the ``overmind-lab-warm``
-provisioner (Jupyter) and whose argv, ``python -m overmind_lab._kernel.launcher -f
+provisioner (Jupyter) and whose argv, ``python -m overmind_lab._launcher -f
 {connection_file}`` with this interpreter, is warm too where a frontend runs it itself
-without provisioners (VS Code: ``launcher.py``).
+without provisioners (VS Code: ``_launcher``).
 ``status`` and ``restart-zygote`` talk to the zygotes in the zygote directory that this
-Python environment made (Note [Environments share an interpreter] in ``naming.py``): two
-environments whose sockets share a directory never list or replace each other's.
+Python environment made (Note [Environments share an interpreter] in
+``_common/zygote_paths.py``): two environments whose sockets share a directory never list
+or replace each other's.
 """
 
 from __future__ import annotations
@@ -14,16 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from overmind_lab._common.protocol import Channel
+from overmind_lab._common.messages import ReplaceReply, ZygoteStatus
+from overmind_lab._common.zygote_client import LAUNCHER_MODULE as LAUNCHER
+from overmind_lab._common.zygote_client import ask
+from overmind_lab._common.zygote_paths import environment, zygote_dir
 from overmind_lab._extras import require
-from overmind_lab._kernel.launcher import MODULE as LAUNCHER
-from overmind_lab._kernel.naming import environment, zygote_dir
 
 __all__ = ["DEFAULT_NAME", "DISPLAY_NAME", "kernel_json", "install", "uninstall",
            "zygotes", "add_parser"]
@@ -72,21 +73,6 @@ def uninstall(name: str = DEFAULT_NAME) -> str | None:
         return None
 
 
-def _ask(sock_path: Path, msg: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    try:
-        sock.settimeout(timeout)
-        sock.connect(str(sock_path))
-        chan = Channel(sock, timeout)
-        chan.send(msg)
-        reply, fds = chan.recv()
-        for fd in fds:
-            os.close(fd)
-        return reply
-    finally:
-        sock.close()
-
-
 def _memory(pid: int) -> dict[str, int]:
     out = {}
     try:
@@ -100,13 +86,13 @@ def _memory(pid: int) -> dict[str, int]:
     return out
 
 
-def _own(directory: Path) -> list[tuple[Path, dict[str, Any]]]:
+def _own(directory: Path) -> list[tuple[Path, ZygoteStatus]]:
     """The sockets and status of the zygotes in ``directory`` of this Python environment."""
     mine = environment(sys.executable)
     out = []
     for path in sorted(directory.glob("zygote-*.sock")):
         try:
-            status = _ask(path, {"op": "status"})
+            status = cast(ZygoteStatus, ask(path, {"op": "status"}))
         except OSError:
             continue
         if environment(str(status.get("python", ""))) == mine:
@@ -120,9 +106,9 @@ def zygotes(directory: Path | None = None) -> list[dict[str, Any]]:
     directory = zygote_dir() if directory is None else directory
     out = []
     for _path, status in _own(directory):
-        status.pop("ok", None)
-        status.update(_memory(int(status["pid"])))
-        out.append(status)
+        shown: dict[str, Any] = {k: v for k, v in status.items() if k != "ok"}
+        shown.update(_memory(int(status["pid"])))
+        out.append(shown)
     return out
 
 
@@ -133,7 +119,7 @@ def restart_zygotes(directory: Path | None = None) -> list[int]:
     pids = []
     for path, _status in _own(directory):
         try:
-            pids.append(int(_ask(path, {"op": "replace"})["pid"]))
+            pids.append(int(cast(ReplaceReply, ask(path, {"op": "replace"}))["pid"]))
         except (OSError, KeyError):
             continue
     return pids

@@ -70,7 +70,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from overmind_lab._client import segments
+from overmind_lab._loading import segments
 
 __all__ = ["BACKGROUND_ENV", "MIN_BYTES", "REASON", "StoreOutcome", "wanted", "start",
            "pending_stores", "wait_for_stores"]

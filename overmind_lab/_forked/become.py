@@ -1,15 +1,16 @@
 """In a forked child of the zygote: become a kernel exactly as a fresh process would.
 
-``run`` is called in the child, after the zygote's loop has unwound and closed the
-zygote's own descriptors, and before anything else happens in it. It makes the process
+``run_and_exit`` is called in the child right at the fork (Note [Leaving the zygote's
+loop]), after the zygote's own descriptors were closed, and before anything else
+happens in it. It makes the process
 look like ``python -m MODULE ARGS`` started fresh in the given cwd and environment, then
-runs the module as ``__main__`` (``runpy``, as ``-m`` does); the interpreter then exits
-normally (``atexit``, thread shutdown), as a fresh one would.
+runs the module as ``__main__`` (``runpy``, as ``-m`` does), and exits as a fresh
+interpreter would (threads joined, ``atexit``, stdio flushed: Note [Fast exit]).
 
 What a fresh process has and a fork would not, set here in this order:
 
 - the server's umask, nice, limits, groups, cgroup and the rest of Note [Inherited
-  process attributes] (``inherit.py``), taken on first: a child that cannot exits, tells
+  process attributes] (``_common/inherit.py``), taken on first: a child that cannot exits, tells
   the zygote why, and the launch is plain;
 - its own session (``setsid``), so a ``killpg`` of the kernel never reaches the zygote;
 - the given stdin/stdout/stderr, cwd and environment (``os.environ`` replaced, not
@@ -25,8 +26,8 @@ What a fresh process has and a fork would not, set here in this order:
   ``RandomState`` and torch's default CPU generator, from the OS entropy pool, as a fresh
   process seeds them (CUDA's generators are made at CUDA's first use, in the kernel);
 - no tqdm write lock shared with the zygote and its other kernels (Note [Library state
-  across the fork] in ``zygote.py``);
-- the BLAS thread counts a fresh process gets (Note [BLAS threads] in ``zygote.py``):
+  across the fork] in ``_zygote/loop.py``);
+- the BLAS thread counts a fresh process gets (Note [BLAS threads] in ``_zygote/loop.py``):
   measured by a fresh interpreter once per zygote and CPU affinity (the pools are as
   large as the CPUs a process may use) and set here through threadpoolctl.
   torch's own intra-op pool was never started in the zygote; it reads the kernel's
@@ -45,7 +46,7 @@ code in the kernel sees the dispositions and the (empty) mask of a fresh kernel.
 Note [What a warm kernel does not share with a fresh one]: these differences are
 intended (a fork cannot avoid them) and ``overmind-lab kernel status`` lists them
 (:data:`INTENDED_DIFFERENCES`, and the variables preloaded modules set at their import:
-Note [Environment set at import] in ``zygote.py``). ``tests/test_warm_kernel_fresh.py``
+Note [Environment set at import] in ``_zygote/loop.py``). ``tests/test_warm_kernel_fresh.py``
 compares everything else a program can observe with a plain kernel's.
 
 Note [Parent death]: ipykernel's parent poller watches ``getppid()``, which for a forked
@@ -71,16 +72,40 @@ import signal
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, NoReturn
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn
 
-from overmind_lab._kernel import inherit, preload
+from overmind_lab._common import inherit, learned
 
-if TYPE_CHECKING:
-    from overmind_lab._kernel.zygote import ChildTask
-
-__all__ = ["run", "become", "exit_now", "tqdm_classes", "INTENDED_DIFFERENCES"]
+__all__ = ["ForkTask", "run_and_exit", "run", "become", "exit_now", "tqdm_classes",
+           "INTENDED_DIFFERENCES"]
 
 #: Note [What a warm kernel does not share with a fresh one].
+@dataclass
+class ForkTask:
+    """What a forked child needs to become a kernel: the zygote builds it from the fork
+    request (``_zygote.loop``) and hands it over at the fork."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    stdio: list[int]
+    parent_pidfd: int | None
+    thread_targets: dict[str, int]
+    learned_path: Path
+    preloaded: frozenset[str]
+    #: The server's attributes to take on (Note [Inherited process attributes]).
+    inherit: dict[str, Any] = field(default_factory=dict)
+    #: Where the child says "ok" or why it cannot take them on; the zygote waits for it.
+    ready_fd: int | None = None
+    #: Set at start if the kernel's environment lacks them (Note [Environment set at
+    #: import]).
+    start_env: dict[str, str] = field(default_factory=dict)
+
+
+
 INTENDED_DIFFERENCES = (
     "parent pid: the zygote's, not the Jupyter server's (Note [Parent death])",
     "/proc/self/cmdline: the zygote's command line (sys.argv and sys.orig_argv are the "
@@ -118,7 +143,7 @@ def _reset_signals(ipykernel: bool = False) -> None:
 def _replace_environ(env: dict[str, str], start_env: dict[str, str]) -> None:
     os.environ.clear()
     os.environ.update(env)
-    for key, value in start_env.items():  # Note [Environment set at import] (zygote.py)
+    for key, value in start_env.items():  # Note [Environment set at import] (``_zygote/loop.py``)
         os.environ.setdefault(key, value)
 
 
@@ -150,7 +175,7 @@ def tqdm_classes() -> list[type]:
 
 def _fresh_library_state() -> None:
     """Drop library state a fork shares with the zygote (Note [Library state across the
-    fork] in ``zygote.py``): tqdm's inter-process write lock."""
+    fork] in ``_zygote/loop.py``): tqdm's inter-process write lock."""
     for cls in tqdm_classes():
         if "_lock" in vars(cls):
             delattr(cls, "_lock")
@@ -199,19 +224,19 @@ def _parent_handle_from_env() -> None:
             static["parent_handle"] = value
 
 
-def _learn_at_exit(task: ChildTask) -> None:
+def _learn_at_exit(task: ForkTask) -> None:
     def learn() -> None:
         try:
-            new = [m for m in preload.third_party_modules() if m not in task.preloaded]
+            new = [m for m in learned.third_party_modules() if m not in task.preloaded]
             if new:
-                preload.record_learned(task.learned_path, new)
+                learned.record_learned(task.learned_path, new)
         except OSError:
             pass
 
     atexit.register(learn)
 
 
-def _take_on_server_attributes(task: ChildTask) -> None:
+def _take_on_server_attributes(task: ForkTask) -> None:
     """Note [Inherited process attributes]: tell the zygote on ``ready_fd`` whether this
     child took on the server's attributes; exit at once if it could not."""
     try:
@@ -227,7 +252,7 @@ def _take_on_server_attributes(task: ChildTask) -> None:
         os.close(task.ready_fd)
 
 
-def become(task: ChildTask) -> None:
+def become(task: ForkTask) -> None:
     """Everything but running the module (separate so a test can check the state)."""
     _take_on_server_attributes(task)
     os.setsid()
@@ -256,7 +281,7 @@ def become(task: ChildTask) -> None:
     _learn_at_exit(task)
 
 
-def run(task: ChildTask) -> int:
+def run(task: ForkTask) -> int:
     """Become the kernel and run it; returns the exit status for ``sys.exit``."""
     become(task)
     module, args = task.argv[2], task.argv[3:]
@@ -271,6 +296,25 @@ def run(task: ChildTask) -> int:
         print(code, file=sys.stderr)
         return 1
     return 0
+
+
+def run_and_exit(task: ForkTask) -> NoReturn:
+    """In the child, right after the fork: become the kernel, run it, exit.
+
+    Note [Leaving the zygote's loop]: as CPython's ``multiprocessing.forkserver`` does, the
+    child does its work at the fork site and exits there (``os._exit`` in :func:`exit_now`);
+    it never returns into the zygote's loop. The zygote's frames below it (``main`` ->
+    ``serve`` -> ``_loop`` -> ``_serve_conn`` -> ``_handle_fork``) stay on the stack,
+    unused: ``_close_for_child`` has closed every descriptor they hold, and no exception
+    can climb into them (anything :func:`run` lets out is printed here, as the interpreter
+    would print it, and ends the process with status 1).
+    """
+    code = 1
+    try:
+        code = run(task)
+    except BaseException:  # noqa: BLE001 - the top of this process: report, then exit
+        traceback.print_exc()
+    exit_now(code)
 
 
 def exit_now(code: int) -> NoReturn:

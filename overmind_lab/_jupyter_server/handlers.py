@@ -48,7 +48,7 @@ from overmind_lab._common.sizes import available_memory, total_memory
 from overmind_lab._errors import DaemonUnavailable, OvermindError, UnknownEntry
 
 if TYPE_CHECKING:
-    from overmind_lab._client.client import Client
+    from overmind_lab._loading.client import Client
 
 __all__ = ["API_PREFIX", "OvermindLab", "setup_handlers"]
 
@@ -88,7 +88,7 @@ class OvermindLab(Configurable):
     def client(self) -> Client:
         # A client per call: it reads OVERMIND_LAB_SOCKET when built and holds no
         # connection between calls, and the handlers run in several threads.
-        from overmind_lab._client.client import Client
+        from overmind_lab._loading.client import Client
 
         return Client(socket_path=self.socket_path)
 
@@ -240,7 +240,7 @@ class ZygotesHandler(_Handler):
 
     @web.authenticated
     async def get(self) -> None:
-        from overmind_lab._kernel.spec import zygotes
+        from overmind_lab._jupyter_server.kernelspec import zygotes
 
         found = await self.overmind.call(lambda _client: zygotes())
         self.reply({"zygotes": found})
@@ -249,7 +249,7 @@ class ZygotesHandler(_Handler):
 class RestartZygotesHandler(_Handler):
     @web.authenticated
     async def post(self) -> None:
-        from overmind_lab._kernel.spec import restart_zygotes
+        from overmind_lab._jupyter_server.kernelspec import restart_zygotes
 
         pids = await self.overmind.call(lambda _client: restart_zygotes())
         self.reply({"restarted": pids})

@@ -539,7 +539,7 @@ def _resolve(name: str) -> Any:
     module_name, _, qualname = name.partition(":")
     module = sys.modules.get(module_name)
     if module is None and module_name != "__main__":
-        from overmind_lab._client.pickling import import_path_for
+        from overmind_lab._loading.pickling import import_path_for
 
         import_path_for(module_name)  # Note [Dynamic modules]: a model's own code
         try:

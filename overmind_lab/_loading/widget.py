@@ -28,18 +28,18 @@ except ImportError:  # pragma: no cover - depends on the environment
     require("jupyter", "overmind_lab.widget()", ["ipywidgets"])  # names [jupyter]
     raise
 
-from overmind_lab._common.messages import EntryJson, Status
-from overmind_lab._errors import OvermindError, UnknownEntry
-from overmind_lab._jupyter.display import (
+from overmind_lab._common.display import (
     entry_speedup,
     format_ago,
     format_bytes,
     format_seconds,
     status_line,
 )
+from overmind_lab._common.messages import EntryJson, Status
+from overmind_lab._errors import OvermindError, UnknownEntry
 
 if TYPE_CHECKING:
-    from overmind_lab._client.client import Client
+    from overmind_lab._loading.client import Client
 
 __all__ = ["OvermindPanel", "widget"]
 
@@ -124,7 +124,7 @@ class OvermindPanel(w.VBox):  # type: ignore[misc]
 
     def __init__(self, *, client: Client | None = None, interval: float | None = 2.0) -> None:
         if client is None:
-            from overmind_lab._client.client import Client
+            from overmind_lab._loading.client import Client
 
             client = Client()
         self.client = client

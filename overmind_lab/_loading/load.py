@@ -29,18 +29,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NotRequired, TypedDict, TypeVar, cast
 
-from overmind_lab._client import background, observe, user_code
-from overmind_lab._client import keys as _keys
-from overmind_lab._client.client import Client, Session
-from overmind_lab._client.pickling import (
-    WritePlan,
-    dump,
-    hook_counter,
-    load_stream,
-    set_hook_counter,
-)
-from overmind_lab._client.segments import map_segment, write_segment
-from overmind_lab._client.sources import SourceFile, SourceMap
 from overmind_lab._common.messages import WireEntry
 from overmind_lab._errors import (
     ErrorKind,
@@ -49,6 +37,18 @@ from overmind_lab._errors import (
     OvermindWarning,
     VerifyMismatch,
 )
+from overmind_lab._loading import background, observe, user_code
+from overmind_lab._loading import keys as _keys
+from overmind_lab._loading.client import Client, Session
+from overmind_lab._loading.pickling import (
+    WritePlan,
+    dump,
+    hook_counter,
+    load_stream,
+    set_hook_counter,
+)
+from overmind_lab._loading.segments import map_segment, write_segment
+from overmind_lab._loading.sources import SourceFile, SourceMap
 
 __all__ = ["load", "bypass", "refreshing", "verifying", "set_verify", "record_loads",
            "LoadEvent", "key_of"]

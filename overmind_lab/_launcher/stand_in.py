@@ -1,9 +1,13 @@
-"""``python -m overmind_lab._kernel.launcher -f CONNECTION_FILE``: the warm kernelspec's argv.
+"""``python -m overmind_lab._launcher -f CONNECTION_FILE``: the warm kernelspec's argv.
 
-Jupyter starts the warm kernelspec through its provisioner (``provisioner.py``), which
-turns this command back into ``python -m ipykernel_launcher ...`` (:func:`kernel_argv`)
-and asks the zygote itself. Frontends that run a kernelspec's argv as it stands, without
-jupyter_client's provisioners (VS Code's Jupyter extension, scripts), run this module,
+This is a process of its own: the kernel's stand-in, started by whatever runs the
+kernelspec's argv.
+
+Jupyter starts the warm kernelspec through its provisioner
+(``_jupyter_server/provisioner.py``), which turns this command back into ``python -m
+ipykernel_launcher ...`` (``zygote_client.kernel_argv``) and asks the zygote itself.
+Frontends that run a kernelspec's argv as it stands, without jupyter_client's
+provisioners (VS Code's Jupyter extension, scripts), run this module,
 which does the same from inside the kernel's process slot:
 
 - it asks the zygote of this interpreter and environment to fork ``ipykernel_launcher``
@@ -15,7 +19,7 @@ which does the same from inside the kernel's process slot:
   signal);
 - if it is killed, even by SIGKILL, the kernel exits within a second: the fork request
   asks the zygote to give the kernel a pidfd of its requester (Note [Parent death] in
-  ``child.py``);
+  ``_forked/become.py``);
 - if no zygote can serve (none runs yet, which starts one for the next launch; a stale
   one; not Linux), it ``exec``\\s a plain ``python -m ipykernel_launcher`` with the same
   arguments in its own place, and says why in one line on stderr.
@@ -34,21 +38,13 @@ import signal
 import sys
 from typing import Any, NoReturn
 
-__all__ = ["MODULE", "kernel_argv", "main"]
+from overmind_lab._common.zygote_client import KERNEL_MODULE
 
-MODULE = "overmind_lab._kernel.launcher"
-_KERNEL_MODULE = "ipykernel_launcher"
+__all__ = ["main"]
+
 #: Signals a frontend sends to the kernel it started, forwarded to the forked kernel.
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
               signal.SIGUSR2)
-
-
-def kernel_argv(argv: list[str]) -> list[str]:
-    """The kernel's own command for a launcher command (``python -m MODULE ARGS`` ->
-    ``python -m ipykernel_launcher ARGS``); any other command as it is."""
-    if len(argv) >= 3 and argv[1] == "-m" and argv[2] == MODULE:
-        return [argv[0], "-m", _KERNEL_MODULE, *argv[3:]]
-    return list(argv)
 
 
 def _exec_plain(args: list[str], why: str | None) -> NoReturn:
@@ -57,22 +53,22 @@ def _exec_plain(args: list[str], why: str | None) -> NoReturn:
     # An ignored signal stays ignored across exec, and Python installs its SIGINT handler
     # (KeyboardInterrupt) only where SIGINT is not ignored: the kernel gets the default.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    os.execv(sys.executable, [sys.executable, "-m", _KERNEL_MODULE, *args])
+    os.execv(sys.executable, [sys.executable, "-m", KERNEL_MODULE, *args])
 
 
 def _run_in_place(args: list[str]) -> None:
     import runpy
 
     sys.argv = [sys.argv[0], *args]
-    runpy.run_module(_KERNEL_MODULE, run_name="__main__", alter_sys=True)
+    runpy.run_module(KERNEL_MODULE, run_name="__main__", alter_sys=True)
 
 
 def _fork(args: list[str]) -> Any:
-    """The forked kernel (``provisioner.WarmKernel``); raises ``WarmUnavailable``."""
-    from overmind_lab._kernel import inherit
-    from overmind_lab._kernel.provisioner import WarmUnavailable, request_fork
+    """The forked kernel (a ``WarmKernel``); raises ``WarmUnavailable``."""
+    from overmind_lab._common import inherit
+    from overmind_lab._common.zygote_client import WarmUnavailable, request_fork
 
-    cmd = [sys.executable, "-m", _KERNEL_MODULE, *args]
+    cmd = [sys.executable, "-m", KERNEL_MODULE, *args]
     env = dict(os.environ)
     env["JPY_PARENT_PID"] = str(os.getpid())  # the stand-in is the kernel's parent
     try:
@@ -116,7 +112,7 @@ def _exit_like(code: int) -> NoReturn:
 
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
-    if "overmind_lab._kernel.child" in sys.modules:  # Note [Launcher in a forked kernel]
+    if "overmind_lab._forked.become" in sys.modules:  # Note [Launcher in a forked kernel]
         _run_in_place(args)
         return
     if not sys.platform.startswith("linux"):
@@ -129,7 +125,3 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:  # noqa: BLE001 - Note [Never worse than plain] (provisioner)
         _exec_plain(args, str(exc))
     _exit_like(_stand_in(kernel))
-
-
-if __name__ == "__main__":
-    main()

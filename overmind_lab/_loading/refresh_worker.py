@@ -1,4 +1,4 @@
-"""The refresh worker: ``python -m overmind_lab._client.refresh_worker``.
+"""The refresh worker: ``python -m overmind_lab._loading.refresh_worker``.
 
 The daemon's ``Refresher`` (``overmind_lab._daemon.refresh``) starts this process with the
 interpreter that first stored the entry and sends the recorded call as JSON on stdin. It
@@ -34,8 +34,8 @@ def worker() -> int:
         if p not in sys.path:
             sys.path.insert(0, p)
     try:
-        from overmind_lab._client.keys import revive
-        from overmind_lab._client.load import load, record_loads, refreshing
+        from overmind_lab._loading.keys import revive
+        from overmind_lab._loading.load import load, record_loads, refreshing
 
         fn = _import_callable(call["callable"])
         args = revive(call.get("args", []))

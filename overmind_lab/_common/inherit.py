@@ -19,7 +19,7 @@ gets the same:
   ``CAP_SETGID``), it exits before it runs any kernel code and tells the zygote why on a
   pipe; the zygote reaps it and refuses, and the provisioner launches a plain kernel
   with that reason in the server log (Note [Never worse than plain] in
-  ``provisioner.py``).
+  ``_jupyter_server/provisioner.py``).
 - refused before the fork, since no process can change them in itself: the namespaces,
   the uid line, the capability sets, ``NoNewPrivs``, ``Seccomp``, the set of cgroup
   hierarchies, and ``RLIMIT_STACK`` (the kernel maps the main thread's stack at
@@ -27,7 +27,7 @@ gets the same:
 - nice, affinity and the scheduling policy are per thread on Linux: the provisioner
   observes them in the thread that would ``fork`` a plain kernel (the event loop's).
 - the time zone and locale ride in the environment: the child calls ``time.tzset()``;
-  the locale variables are part of the zygote's identity (``naming.py``), since the
+  the locale variables are part of the zygote's identity (``_common/zygote_paths.py``), since the
   locale at interpreter start fixes the UTF-8 mode and the file system encoding.
 """
 

@@ -5,7 +5,7 @@ to the per-user daemon through :class:`overmind_lab.Client`. The extension is en
 ``jupyter-config/jupyter_server_config.d/overmind_lab.json``, installed with the package;
 by hand::
 
-    jupyter server extension enable overmind_lab._jupyter.server
+    jupyter server extension enable overmind_lab._jupyter_server
 
 Importing this module is cheap: no tornado, no torch. ``jupyter server extension list``
 and ``jupyter labextension`` import it through ``overmind_lab`` for the two discovery
@@ -24,7 +24,7 @@ __all__ = [
 
 
 def _jupyter_server_extension_points() -> list[dict[str, str]]:
-    return [{"module": "overmind_lab._jupyter.server"}]
+    return [{"module": "overmind_lab._jupyter_server"}]
 
 
 def _jupyter_labextension_paths() -> list[dict[str, str]]:
@@ -35,7 +35,7 @@ def _jupyter_labextension_paths() -> list[dict[str, str]]:
 
 
 def _load_jupyter_server_extension(serverapp: Any) -> None:
-    from overmind_lab._jupyter.server.handlers import setup_handlers
+    from overmind_lab._jupyter_server.handlers import setup_handlers
 
     setup_handlers(serverapp)
     serverapp.log.info(

@@ -32,8 +32,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from overmind_lab._common.display import StatusReport, describe_load, status_line
 from overmind_lab._common.messages import EntryJson
-from overmind_lab._jupyter.display import StatusReport, describe_load, status_line
 
 __all__ = ["OvermindMagics", "load_ipython_extension", "unload_ipython_extension"]
 
@@ -207,7 +207,7 @@ class OvermindMagics(Magics):
 
 def _ensure_patched() -> None:
     global _patched_by_extension
-    from overmind_lab._jupyter.patch import is_patched, patch_all
+    from overmind_lab._loading.patch import is_patched, patch_all
 
     if not is_patched():
         patch_all()
@@ -237,7 +237,7 @@ def unload_ipython_extension(ipython: Any) -> None:
     """``%unload_ext overmind_lab``: undo the patching the magics did."""
     global _patched_by_extension
     if _patched_by_extension:
-        from overmind_lab._jupyter.patch import unpatch_all
+        from overmind_lab._loading.patch import unpatch_all
 
         unpatch_all()
         _patched_by_extension = False

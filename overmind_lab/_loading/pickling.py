@@ -37,9 +37,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from overmind_lab._client.segments import Mapping, find_mapping
-from overmind_lab._client.sources import SourceFile, SourceMap
 from overmind_lab._errors import NotCacheable
+from overmind_lab._loading.segments import Mapping, find_mapping
+from overmind_lab._loading.sources import SourceFile, SourceMap
 
 __all__ = ["WritePlan", "dump", "load_stream", "ALIGN"]
 

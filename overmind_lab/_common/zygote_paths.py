@@ -7,7 +7,7 @@ the Hugging Face and torch settings, and the others in :data:`IMPORT_ENV_PREFIXE
 Their hash (the *identity*) names the zygote's socket, so kernels with a different
 environment get a different zygote. The preload set is not part of the name: it grows
 (cached classes, learned modules) and a grown set replaces the zygote in the background
-instead of making the next launch cold (see Note [Replacing a zygote] in ``zygote.py``).
+instead of making the next launch cold (see Note [Replacing a zygote] in ``_zygote/loop.py``).
 
 The sockets sit beside the daemon's socket: in the 0700 per-user runtime directory, or in
 the directory of ``$OVERMIND_LAB_SOCKET`` when that is set (tests, benchmarks).
@@ -140,7 +140,7 @@ class ZygotePaths:
     def booting(self) -> list[int]:
         """The pids of live zygotes importing for this identity now: each binds
         ``<socket>.<pid>`` when its boot starts and renames it over the socket at the end
-        (Note [Replacing a zygote] in ``zygote.py``)."""
+        (Note [Replacing a zygote] in ``_zygote/loop.py``)."""
         pids = []
         for tmp in self.directory.glob(f"{self.socket.name}.*"):
             suffix = tmp.name.rpartition(".")[2]

@@ -1,0 +1,207 @@
+"""Asking a zygote: start one, fork a kernel from it, follow that kernel, query it.
+
+Two processes start warm kernels and share this: the Jupyter server, through its
+provisioner (``_jupyter_server.provisioner``), and the kernelspec launcher
+(``_launcher``) where a frontend runs the kernelspec's argv itself. ``overmind-lab kernel
+status|restart-zygote`` asks with :func:`ask`. The messages are typed in
+``_common.messages`` (Note [The zygote's wire]).
+
+Nothing here imports jupyter_client, torch or the zygote's own code: a launch that the
+zygote cannot serve raises :class:`WarmUnavailable`, and the caller starts a plain
+kernel (Note [Never worse than plain] in ``_jupyter_server/provisioner.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import cast
+
+from overmind_lab._common.messages import (
+    ExitReport,
+    ForkReply,
+    ForkRequest,
+    JsonObject,
+    ZygoteOpRequest,
+    ZygoteRefusal,
+    ZygoteReply,
+)
+from overmind_lab._common.protocol import Channel
+from overmind_lab._common.zygote_paths import (
+    ZYGOTE_ONLY_ENV,
+    ZygotePaths,
+    zygote_boot_wait_seconds,
+)
+from overmind_lab._errors import OvermindError
+
+__all__ = ["LAUNCHER_MODULE", "KERNEL_MODULE", "kernel_argv", "WarmUnavailable", "WarmKernel",
+           "ask", "request_fork", "spawn", "user_env"]
+
+#: The warm kernelspec's argv runs this module (``_launcher``).
+LAUNCHER_MODULE = "overmind_lab._launcher"
+#: What a warm kernel runs: ipykernel's own ``-m`` module.
+KERNEL_MODULE = "ipykernel_launcher"
+
+_CONNECT_TIMEOUT = 5.0
+_FORK_TIMEOUT = 20.0
+#: ``spawn`` keeps the user's value of a zygote-only variable under this prefix.
+_ORIG = "OVERMIND_LAB_ORIG_"
+
+
+def kernel_argv(argv: list[str]) -> list[str]:
+    """The kernel's own command for a launcher command (``python -m LAUNCHER ARGS`` ->
+    ``python -m ipykernel_launcher ARGS``); any other command as it is."""
+    if len(argv) >= 3 and argv[1] == "-m" and argv[2] == LAUNCHER_MODULE:
+        return [argv[0], "-m", KERNEL_MODULE, *argv[3:]]
+    return list(argv)
+
+
+class WarmUnavailable(OvermindError):
+    """The warm path cannot serve this launch; the message says why."""
+
+
+class WarmKernel:
+    """A forked kernel: its pid, a pidfd, and the zygote connection that reports its exit."""
+
+    def __init__(self, pid: int, pidfd: int, chan: Channel) -> None:
+        self.pid = pid
+        self.pidfd = pidfd
+        self.chan = chan
+        self.exit_code: int | None = None
+
+    def exited(self) -> bool:
+        return bool(select.select([self.pidfd], [], [], 0)[0])
+
+    def returncode(self) -> int | None:
+        if not self.exited():
+            return None
+        if self.exit_code is None:
+            self.exit_code = self._read_exit()
+        return self.exit_code
+
+    def _read_exit(self) -> int:
+        # The zygote reaps the child and reports its status right after the pidfd fires.
+        try:
+            self.chan.settimeout(1.0)
+            msg, fds = self.chan.recv()
+            for fd in fds:
+                os.close(fd)
+            code = cast(ExitReport, msg).get("exit", -1)
+            return code if isinstance(code, int) else -1
+        except (OvermindError, OSError, ValueError):
+            return -1  # the zygote died too: the status is lost
+
+    def signal(self, signum: int) -> None:
+        """Signal the kernel's process group (its own session), never a reused pid."""
+        if self.exited():
+            return
+        signal.pidfd_send_signal(self.pidfd, signum)
+        try:
+            os.killpg(self.pid, signum)  # its subprocesses; the group id is the kernel's pid
+        except ProcessLookupError:
+            pass
+
+    def close(self) -> None:
+        os.close(self.pidfd)
+        self.chan.sock.close()
+
+
+def ask(sock_path: Path, request: ZygoteOpRequest, timeout: float = 5.0) -> ZygoteReply:
+    """One request without descriptors to the zygote on ``sock_path``; its reply."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(str(sock_path))
+        chan = Channel(sock, timeout)
+        chan.send(request)
+        reply, fds = chan.recv()
+        for fd in fds:
+            os.close(fd)
+        return cast(ZygoteReply, reply)
+    finally:
+        sock.close()
+
+
+def request_fork(cmd: list[str], env: dict[str, str], cwd: str,
+                 stdio: list[int], watch_parent: bool,
+                 attributes: JsonObject | None = None) -> WarmKernel:
+    """Ask the zygote for ``cmd`` (blocking); starts a zygote when none runs.
+
+    ``attributes`` (``inherit.observe()`` in the thread that would start a plain kernel)
+    are what the kernel takes on; ``None``: the zygote's own."""
+    if not sys.platform.startswith("linux"):
+        raise WarmUnavailable(f"warm kernels need Linux (this is {sys.platform})")
+    paths = ZygotePaths.for_launch(cmd[0], env)
+    paths.wait_while_booting(zygote_boot_wait_seconds(env))  # Note [Waiting for a booting zygote]
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    sock.settimeout(_CONNECT_TIMEOUT)
+    try:
+        sock.connect(str(paths.socket))
+    except OSError as exc:
+        sock.close()
+        spawn(paths, owners=[os.getpid()], env=env)
+        raise WarmUnavailable(f"no zygote was running ({exc.strerror}); started one "
+                              "for the next launch") from exc
+    chan = Channel(sock, _FORK_TIMEOUT)
+    request: ForkRequest = {"op": "fork", "argv": cmd, "env": env, "cwd": cwd,
+                            "watch_parent": watch_parent, "inherit": attributes or {}}
+    try:
+        chan.send(request, stdio)
+        reply, fds = chan.recv()
+    except (OvermindError, OSError) as exc:
+        sock.close()
+        raise WarmUnavailable(f"the zygote failed to answer: {exc}") from exc
+    if not reply.get("ok") or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        sock.close()
+        reason = str(cast(ZygoteRefusal, reply).get("reason") or "no reason given")
+        if "stale" in reason:
+            spawn(paths, owners=[os.getpid()], env=env)
+            reason += "; started a fresh zygote for the next launch"
+        raise WarmUnavailable(f"the zygote refused to fork: {reason}")
+    pid = cast(ForkReply, reply).get("pid")
+    if not isinstance(pid, int):
+        os.close(fds[0])
+        sock.close()
+        raise WarmUnavailable(f"the zygote answered a fork without a pid: {reply!r}")
+    return WarmKernel(pid, fds[0], chan)
+
+
+def spawn(paths: ZygotePaths, owners: list[int], env: dict[str, str]) -> None:
+    """Start a zygote for ``paths`` in the background, detached (not our child)."""
+    env = {k: v for k, v in env.items() if not k.startswith("JPY_")}
+    for k in ZYGOTE_ONLY_ENV:
+        if k in env and _ORIG + k not in env:
+            env[_ORIG + k] = env[k]
+    # Note [BLAS threads] in ``_zygote/loop.py``: OpenBLAS starts its pool when numpy is
+    # imported; with one thread it starts none, and the child sets the count a fresh
+    # process has.
+    env["OPENBLAS_NUM_THREADS"] = "1"
+    env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    cmd = [sys.executable, "-m", "overmind_lab._zygote", "--socket",
+           str(paths.socket), "--identity", paths.ident,
+           *[a for pid in owners for a in ("--owner", str(pid))]]
+    log_fd = os.open(paths.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    try:
+        # A shell that backgrounds the zygote and exits: the zygote is nobody's child
+        # to reap, in its own session, holding no descriptor of the caller.
+        subprocess.run(["/bin/sh", "-c", 'exec "$@" &', "sh", *cmd], env=env, cwd="/",
+                       stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
+                       start_new_session=True, close_fds=True, check=True, timeout=10)
+    finally:
+        os.close(log_fd)
+
+
+def user_env(env: dict[str, str]) -> dict[str, str]:
+    """A zygote's environment without what :func:`spawn` set for the zygote only."""
+    env = {k: v for k, v in env.items() if k not in ZYGOTE_ONLY_ENV}
+    for k in ZYGOTE_ONLY_ENV:
+        if _ORIG + k in env:
+            env[k] = env.pop(_ORIG + k)
+    return env
