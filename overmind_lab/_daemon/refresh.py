@@ -1,7 +1,7 @@
 """Refresh: put the current version of a model on disk into the cache.
 
-The daemon re-runs the recorded call (``Note [Replay]`` in ``_keys``) in a background
-process started with the interpreter that first stored the entry, inside
+The daemon re-runs the recorded call (``Note [Replay]`` in ``_loading/keys.py``) in a
+background process started with the interpreter that first stored the entry, inside
 ``refreshing()``: the load reads the source again and stores under the key it computes
 now (a changed directory gives a new key). When the worker succeeds the daemon drops the
 old entry if the key changed; processes that still map the old version keep it. An entry
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, cast
 from overmind_lab._common.messages import EntryJson, RefreshJob, RefreshResult
 from overmind_lab._common.naming import SOCKET_ENV
 
-if TYPE_CHECKING:  # server.py imports this module's attach; only the types point back
+if TYPE_CHECKING:  # process.py calls this module's attach; only the types point back
     from overmind_lab._daemon.index import Entry
     from overmind_lab._daemon.server import Daemon
 

@@ -122,7 +122,7 @@ class Daemon:
         self.pending: dict[str, Segment] = {}  # key -> segment reserved, being written
         self.pending_links: dict[str, list[Segment]] = {}  # key -> linked, not stored yet
         self.finishing: dict[str, Segment] = {}  # id -> segment being finished
-        self.verifying: dict[str, asyncio.Future[None]] = {}
+        self.summing: dict[str, asyncio.Future[None]] = {}  # checksums being read
         self._dirty = False
         self._saver: asyncio.Task[None] | None = None
         if self.store.persistent:
@@ -140,10 +140,10 @@ class Daemon:
         log.info("serving on %s (pid %d, budget %d bytes)", self.path, os.getpid(),
                  self.index.budget)
         accepting = asyncio.ensure_future(self._accept_loop(sock))
-        verifier = asyncio.ensure_future(self._verify_all())
+        scrubber = asyncio.ensure_future(self._scrub_all())
         await self.stopping.wait()
         accepting.cancel()
-        verifier.cancel()
+        scrubber.cancel()
         if self.refresher is not None:
             self.refresher.close()  # Note [Workers outlive no daemon]
         await self._shutdown()
@@ -287,7 +287,7 @@ class Daemon:
         self._check_place()
         while True:
             entry = self.index.get(key)
-            if entry is not None and not refresh and not await self._verified(entry):
+            if entry is not None and not refresh and not await self._intact(entry):
                 continue  # it was corrupt and is gone: look again (a miss now)
             if entry is not None and not refresh:
                 self.index.touch(key, hit=not msg.get("own"))
@@ -452,7 +452,7 @@ class Daemon:
         # before that, the next daemon deletes the ``.tmp`` and the load is cold.
         return Answer({"ok": True, "key": key})
 
-    # -- the files: finishing, verifying, saving the index ------------------------------
+    # -- the files: finishing, checksums, saving the index -------------------------------
     async def _finish(self, seg: Segment) -> None:
         try:
             await asyncio.to_thread(self.store.finish, seg)
@@ -471,13 +471,13 @@ class Daemon:
         """The index let go of ``seg``: delete it (after it is finished, if it is)."""
         if seg.id in self.finishing:
             return  # _finish discards it
-        fut = self.verifying.get(seg.id)
+        fut = self.summing.get(seg.id)
         if fut is not None:
             fut.add_done_callback(lambda _f: self.store.discard(seg))
         else:
             self.store.discard(seg)
 
-    async def _verified(self, entry: Entry) -> bool:
+    async def _intact(self, entry: Entry) -> bool:
         """Note [Checks before a hit] (``store``): every segment of ``entry`` passes its
         cheap checks (size, identity, the source file's path), and its checksum where its
         file changed since its bytes were last known good; otherwise
@@ -487,9 +487,9 @@ class Daemon:
             if seg is None:
                 continue
             why = seg.check()
-            if why is None and not seg.verified:
+            if why is None and not seg.sum_ok:
                 try:
-                    await self._verify(seg)
+                    await self._check_sum(seg)
                 except (Corrupt, OSError, ValueError) as exc:
                     why = str(exc)
             if why is not None:
@@ -506,15 +506,15 @@ class Daemon:
         self.holders.invalidate()
         self.save_soon()
 
-    def _verify(self, seg: Segment) -> asyncio.Future[None]:
-        fut = self.verifying.get(seg.id)
+    def _check_sum(self, seg: Segment) -> asyncio.Future[None]:
+        fut = self.summing.get(seg.id)
         if fut is None:
-            fut = asyncio.ensure_future(asyncio.to_thread(self.store.verify, seg))
-            self.verifying[seg.id] = fut
-            fut.add_done_callback(lambda _f: self.verifying.pop(seg.id, None))
+            fut = asyncio.ensure_future(asyncio.to_thread(self.store.check_sum, seg))
+            self.summing[seg.id] = fut
+            fut.add_done_callback(lambda _f: self.summing.pop(seg.id, None))
         return fut
 
-    async def _verify_all(self) -> None:
+    async def _scrub_all(self) -> None:
         """After a restart, read the checksum of every saved segment once, most recently
         used first, in the background (Note [Checks before a hit]: hits do not wait for
         it), after a short pause that leaves the first loads the disk and CPU. This also
@@ -533,7 +533,7 @@ class Daemon:
                 if saved is None or saved.scrubbed or saved.tier != "file":
                     continue
                 try:
-                    await self._verify(saved)
+                    await self._check_sum(saved)
                 except (Corrupt, OSError, ValueError) as exc:
                     if saved.id in self.index.segments:
                         self._reject(saved, str(exc))
@@ -585,7 +585,7 @@ class Daemon:
             "tier": self.store.tier, "tier_reason": self.store.reason,
             "cache_dir": str(self.store.dir) if self.store.dir else None,
             "disk_bytes": disk, "memfd_bytes": memory, "resident_bytes": resident,
-            "unsaved": len(self.finishing) + len(self.verifying)
+            "unsaved": len(self.finishing) + len(self.summing)
             + int(self._dirty or (self._saver is not None and not self._saver.done())),
             "evicted_mapped_bytes": sum(self.index.evicted.values()),
             "entries": len(self.index.entries),

@@ -21,8 +21,8 @@ and mapping offsets agree, and large folios line up), zero padding to a 4 KiB bo
 then a 4 KiB trailer: ``magic, version, data length, crc32 of the data`` and a crc32 of
 those fields. A file whose size, magic, trailer checksum or length does not match its
 index record is corrupt: truncated, torn by a crash before ``finish``, or overwritten.
-The data checksum is verified once per daemon lifetime before a file written by an
-earlier daemon is handed out (:meth:`Store.verify`).
+The data checksum is checked once per daemon lifetime before a file written by an
+earlier daemon is handed out (:meth:`Store.check_sum`).
 
 Note [Checks before a hit]: what the daemon checks before it hands a segment out, and
 what each check costs. Measured on a shared 2-core machine (2026-12-05): ``check`` of a
@@ -149,7 +149,7 @@ class Segment:
     tier: str  # "file", "memfd" or "link" (a source file the daemon holds open)
     crc: int | None = None  # data checksum, once known (file tier)
     persisted: bool = False  # finished: trailer written, fsynced, renamed
-    verified: bool = True  # data checksum checked, or the file untouched since it was
+    sum_ok: bool = True  # data checksum checked, or the file untouched since it was
     scrubbed: bool = True  # checksum read once by this daemon (after a restart: not yet)
     refs: int = 0
     writer_fd: int = -1  # file tier, until finished
@@ -168,7 +168,7 @@ class Segment:
     def check(self) -> str | None:
         """Why this segment must not be handed out, or ``None``; cheap (one or two
         ``fstat``), run before every hit: Note [Checks before a hit]. A file whose
-        identity moved since its bytes were last known good is marked unverified: the
+        identity moved since its bytes were last known good is marked ``sum_ok`` False: the
         caller checks its checksum before serving it."""
         try:
             st = os.fstat(self.fd)
@@ -184,7 +184,7 @@ class Segment:
                 return (f"segment file {self.id} has {st.st_size} bytes, {finished} "
                         "expected (truncated or extended)")
             if identity(st) != self.stamp:
-                self.verified = False  # the checksum tells whether it did harm
+                self.sum_ok = False  # the checksum tells whether it did harm
         elif st.st_size == finished and self.writer_fd >= 0:
             # ``finish`` wrote the trailer (after it compared the stamp itself): from then
             # on only the ctime may move (chmod, rename) until it takes the final stamp.
@@ -465,7 +465,7 @@ class Store:
         A file whose identity is the one recorded after it was finished was not written
         since its checksum was taken: it is served at once and its checksum read in the
         background (``scrubbed`` False). Any other (no stamp, copied, touched) is checked
-        before its first use (``verified`` False). Note [Checks before a hit].
+        before its first use (``sum_ok`` False). Note [Checks before a hit].
         """
         assert self.dir is not None
         if record.get("tier") == "link":
@@ -495,7 +495,7 @@ class Store:
         # An unchecked file gets no stamp: saved again before its check, it stays unchecked.
         stamp = identity(st) if record.get("stamp") == identity(st) else None
         return Segment(sid, fd, size, "file", crc=crc, persisted=True,
-                       verified=stamp is not None, scrubbed=False, stamp=stamp)
+                       sum_ok=stamp is not None, scrubbed=False, stamp=stamp)
 
     def _open_link(self, record: dict[str, Any]) -> Segment:
         sid, source = str(record["id"]), record.get("source")
@@ -513,9 +513,9 @@ class Store:
             raise Corrupt(why)
         return seg
 
-    def verify(self, seg: Segment) -> None:
+    def check_sum(self, seg: Segment) -> None:
         """Check the data checksum of a segment (blocking; reads every byte)."""
-        if seg.verified and seg.scrubbed:
+        if seg.sum_ok and seg.scrubbed:
             return
         before = identity(os.fstat(seg.fd))
         crc = _crc_fd(seg.fd, seg.size)
@@ -527,7 +527,7 @@ class Store:
             raise Corrupt(f"segment file {self.dir}/{seg.id}{SEG_SUFFIX} was written while "
                           "its checksum was read")
         seg.stamp = before  # known good as it is now (a chmod or a touch did no harm)
-        seg.verified = seg.scrubbed = True
+        seg.sum_ok = seg.scrubbed = True
 
     def collect(self, keep: set[str]) -> list[str]:
         """Delete every segment file and leftover not in ``keep``; returns their names.

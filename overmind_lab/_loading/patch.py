@@ -55,7 +55,7 @@ Custom pipelines and ``trust_remote_code`` models are instances of classes in
 modules cache that the libraries put on ``sys.path`` only when they import such code. A
 warm load in a fresh process needs nothing from here: the cache's unpickler puts that
 directory on ``sys.path`` before it imports them (Note [Dynamic modules] in
-``_pickling.py``).
+``_loading/pickling.py``).
 """
 
 from __future__ import annotations
@@ -222,6 +222,12 @@ def _make_wrapper(original: classmethod) -> classmethod:  # type: ignore[type-ar
 
     @functools.wraps(func)
     def cached(cls: type, *args: Any, **kwargs: Any) -> Any:
+        # Note [The wrapper looks load up per call]: ``overmind_lab.load`` is read from the
+        # package on every call, not bound once here, so that whoever replaces that
+        # attribute reaches every patched ``from_pretrained`` too: the peer test's plugin
+        # (``peer/overmind_peer.py``) wraps it to make each load twice and compare, and a
+        # user may wrap it to log. The lookup is one module attribute (the lazy import has
+        # run by the first call), nothing next to a load.
         import overmind_lab
 
         # Bound to cls, the class really called: the key names it, not the definer.

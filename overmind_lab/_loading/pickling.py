@@ -8,7 +8,7 @@ without hooks into the object plus its non-default fields (Note [Modules in one 
 ``buffer_callback`` takes large ``PickleBuffer`` objects (numpy arrays) out of the stream
 too. The stream itself is metadata only (~100 KB for a UNet). A :class:`WritePlan`
 decides where every byte goes: into the new segment, or, for a storage that already lives
-unchanged in a cached segment, nowhere (Note [Provenance] in ``_segments``).
+unchanged in a cached segment, nowhere (Note [Provenance] in ``segments.py``).
 
 Unpickling rebuilds storages over the private mapping (``torch.frombuffer``, or
 ``torch.from_numpy`` of an array over it): no byte is copied, the tensor keeps the
@@ -66,7 +66,7 @@ def _align(n: int) -> int:
 @dataclass
 class WritePlan:
     """Where each storage goes. Segment index 0 is the new segment; 1.. are references:
-    cached segments, or source files whose unchanged regions storages are (``_sources``).
+    cached segments, or source files whose unchanged regions storages are (``sources.py``).
     """
 
     size: int = 0
