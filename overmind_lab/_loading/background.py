@@ -2,57 +2,31 @@
 
 Note [Storing in a forked process]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-A first load is the plain load plus its store: pickling the skeleton (~0.1 s for an SD
-UNet) and, for a converted model (fp32 -> fp16), writing 1.7 GB into a new segment
-(0.5-0.9 s here), then reading the entry back (~0.04 s). A large result's caller gets the
-loader's own object instead of the read-back: it is the plain load, and the store then
-needs nothing from the caller but a consistent picture of the result. A thread would not
-give one: the caller may change the model in place right after the load returns
-(``load_state_dict``, ``.half()``, a training step), and the cache would then keep a mix
-of before and after. ``fork()`` gives it: the child sees the process exactly as
-it was when the load returned, copy-on-write, whatever the caller does next.
+A first load is the plain load plus its store (pickling ~0.1 s for an SD UNet, writing 1.7 GB
+0.5-0.9 s). A large result's caller gets the loader's own object, and the store needs only a
+consistent picture of it. A thread cannot give one (the caller may change the model in place
+right away, leaving a mix in the cache); ``fork()`` does, copy-on-write. So for results with at
+least ``MIN_BYTES`` of CPU tensors, ``start`` forks and the child runs the whole store on the
+load's session, whose socket it inherited (the lease is tied to that connection: others wait
+for the child). The caller closes its copy silently and returns. The rules:
 
-So for results with at least ``MIN_BYTES`` of CPU tensors, ``start`` forks and the child
-runs the whole store: the pickle, ``link``, ``reserve``, the write and ``store`` on the
-load's session, whose socket it inherited (the daemon's lease for the key is tied to that
-connection, so other processes loading the same key wait for the child, as they would
-have waited for the caller). The caller closes its copy of the socket without a word and
-returns. The rules, in order:
+- Signals are blocked around ``fork()``; the child starts its own session (``setsid``: a
+  kernel's interrupt and restart ``killpg`` miss it, so the store lands), ignores
+  SIGINT/SIGHUP/SIGPIPE, then unblocks. SIGTERM/SIGKILL still end it: the daemon drops the
+  reserved segment and releases the lease.
+- The child writes nothing to the caller's stdio (the notebook's): 0-2 and Python's streams go
+  to ``/dev/null``, warnings and logging are off, and every descriptor is closed but the
+  socket, the outcome pipe and the mapped segments'. (A held pipe would make a test runner
+  wait; a kernel's held listening sockets would block the restarted kernel's ports.) With
+  ``gc.disable()`` no stale file object can close a descriptor number the store reused.
+- The outcome comes back as one JSON line on a pipe; a caller thread reaps the child and warns
+  if it failed, as a synchronous store would. The child ends with ``os._exit``.
+- Only CPU tensors (CUDA does not survive a fork); other results, small ones, ``fork()``
+  failures and ``$OVERMIND_LAB_BACKGROUND_STORE=never`` store synchronously.
 
-- All signals are blocked in the forking thread around ``fork()``, so the child cannot
-  run a handler before it has set its own: it starts a session of its own (``setsid``:
-  the kernel's interrupt and ``killpg`` at a kernel restart do not reach it, so a store
-  started just before a restart still lands), ignores SIGINT/SIGHUP/SIGPIPE, then
-  unblocks. SIGTERM and SIGKILL still end it: the daemon sees the connection close, drops
-  the reserved segment, and releases the lease (nothing half-written remains).
-- The child writes nothing to the caller's stdout/stderr (in a kernel those are the
-  notebook's) and holds none of the caller's descriptors open: descriptors 0-2 and
-  Python's streams go to ``/dev/null``, warnings and logging are off, and every other
-  descriptor is closed except the session's socket, the outcome pipe and the mapped
-  segments' (the pickler compares bytes through them). A descriptor held on would be
-  felt: a pipe's reader (a test runner) would wait for the store to end, and a kernel's
-  listening sockets would still be bound when the restarted kernel binds the same ports.
-  The caller's file objects whose descriptors were closed are left alone: the store
-  drops no reference to them, and the child runs no garbage collection
-  (``gc.disable()``), so no stale ``close`` can hit a descriptor number that the store
-  opened meanwhile.
-- The child's outcome goes back through a pipe, one JSON line; a thread in the caller
-  reads it, reaps the child, and warns there when the store failed, as a synchronous
-  store would.
-- The child ends with ``os._exit``: no ``atexit`` handler, finalizer or library teardown
-  of the caller's runs twice.
-- Only CPU tensors: a CUDA context does not survive a fork, so a result with tensors on
-  another device is stored synchronously, as are small results (the fork costs more
-  than their store) and everything when ``$OVERMIND_LAB_BACKGROUND_STORE`` is ``never``.
-  If ``fork()`` fails, the store runs synchronously.
-
-What the caller pays is the fork itself: copying the page tables of its address space
-(13-17 ms here for a process holding an SD UNet or a 1.1B Llama), and, while the child
-lives (one to two seconds), a page copy for each page it writes to for the first time. What
-a user may notice: ``overmind-lab list`` shows the entry about a second after the load
-returns, and a library that prints on fork (HF ``tokenizers``, when its thread pool was
-used before) says so in the child, on the caller's stderr. ``wait_for_stores()`` waits
-for the stores this process started (the benchmark does, before it exits).
+The caller pays the fork (13-17 ms of page tables for an SD UNet or a 1.1B Llama) and a page
+copy per first write while the child lives (a second or two). ``overmind-lab list`` shows the
+entry about a second later; ``wait_for_stores()`` waits for this process's stores.
 """
 
 from __future__ import annotations
@@ -117,9 +91,8 @@ def wanted(result: Any) -> bool:
 
 
 def cpu_tensor_bytes(result: Any) -> int | None:
-    """Bytes of the distinct storages of the modules in ``result`` (a module, or an
-    object with a ``components`` dict of them, like a diffusers pipeline), ``None`` when
-    any tensor is not on the CPU. Other objects count 0 (their stores are small)."""
+    """Bytes of the distinct storages of the modules in ``result`` (or its ``components``
+    dict), ``None`` when a tensor is not on the CPU; other objects count 0."""
     torch = sys.modules.get("torch")
     if torch is None:
         return 0
@@ -148,20 +121,15 @@ def cpu_tensor_bytes(result: Any) -> int | None:
 
 def start(store: Callable[[], None], key: str, name: str,
           report: Callable[[StoreOutcome], None], keep_fds: Sequence[int]) -> bool:
-    """Run ``store()`` in a forked child; ``False`` (nothing started) when fork fails.
-
-    The child keeps only ``keep_fds`` (the session's socket) and the descriptors of the
-    mapped segments open. ``report`` is called in the caller's process, from a thread,
-    once the child ended. The caller must then drop its copy of whatever the child uses
-    (the session) without using it.
-    """
+    """Run ``store()`` in a forked child; ``False`` when fork fails. The child keeps only
+    ``keep_fds`` and the mapped segments' fds; ``report`` is called from a caller thread when it
+    ended. The caller must then drop its copy of the session without using it."""
     read_end, write_end = os.pipe()
     everything = signal.valid_signals()
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, everything)
     try:
         with warnings.catch_warnings():
-            # Python 3.12+ warns about fork() in a process with threads: the child only
-            # runs the store and exits (the Note), it never goes back to the caller's code.
+            # Python 3.12+ warns about fork() with threads: the child only stores and exits.
             warnings.filterwarnings("ignore", category=DeprecationWarning, message=r".*fork\(\)")
             pid = os.fork()
     except OSError:
@@ -250,11 +218,8 @@ def pending_stores() -> list[StoreOutcome]:
 
 
 def wait_for_stores(timeout: float | None = None) -> list[StoreOutcome]:
-    """Wait until every store this process started in the background has ended.
-
-    Returns their outcomes (``error`` is ``None`` for those that were stored); raises
-    ``TimeoutError`` when ``timeout`` seconds pass first.
-    """
+    """Wait until every background store this process started has ended: their outcomes
+    (``error`` ``None`` if stored); ``TimeoutError`` when ``timeout`` seconds pass first."""
     with _lock:
         pending = list(_pending)
     deadline = None if timeout is None else time.monotonic() + timeout

@@ -1,9 +1,7 @@
 """Talking to the per-user daemon: :class:`Client` for management, :class:`Session` for loads.
-
-Every socket operation has a timeout; OS errors are translated into
-:class:`~overmind_lab.DaemonUnavailable` / :class:`~overmind_lab.ProtocolError` here, at the
-boundary. The first client that finds no daemon starts one (``serve --detach``) under a
-start lock, so racing clients end with exactly one daemon.
+Every socket operation has a timeout; OS errors become :class:`~overmind_lab.DaemonUnavailable`
+or :class:`~overmind_lab.ProtocolError` here. The first client that finds no daemon starts one
+(``serve --detach``) under a start lock, so racing clients end with exactly one daemon.
 """
 
 from __future__ import annotations
@@ -103,8 +101,7 @@ class Client:
         return Channel(sock, self.timeout)
 
     def request(self, op: Op, *, start: bool = False, **fields: object) -> Frame:
-        """Send one request and return its reply (``_common.messages`` says which);
-        raises on ``ok: false``."""
+        """Send one request and return its reply; raises on ``ok: false``."""
         chan = self.connect(start=start)
         try:
             return call(chan, {"op": op, **fields})[0]
@@ -203,13 +200,9 @@ class Session:
 
     def lookup(self, key: str, *, refresh: bool = False,
                own: bool = False) -> tuple[WireEntry | None, list[int]]:
-        """A hit: ``(entry, fds)``, the fds of its segments in order. Or ``(None, [])``:
-        no entry, and this session holds the lease (it loads and stores the key).
-
-        While another process loads the same key this waits (the daemon sends keep-alives)
-        up to ``$OVERMIND_LAB_WAIT_TIMEOUT`` seconds (default 1800). ``own`` marks the
-        loader's own read-back after a store (not counted as a hit).
-        """
+        """A hit: ``(entry, fds)``, its segments' fds in order; or ``(None, [])``: this session
+        holds the lease. Waits while another process loads the key (with keep-alives), up to
+        ``$OVERMIND_LAB_WAIT_TIMEOUT`` s (1800). ``own``: the loader's read-back, not a hit."""
         deadline = time.monotonic() + float(os.environ.get(WAIT_ENV, "1800"))
         self.chan.send({"op": "lookup", "key": key, "refresh": refresh, "own": own})
         while True:
@@ -222,8 +215,7 @@ class Session:
                 raise DaemonUnavailable(f"gave up waiting for another process to load {key}")
 
     def reserve(self, key: str, nbytes: int, refs: list[str]) -> tuple[ReserveReply, list[int]]:
-        """Make room for ``nbytes`` and a new segment; the reply brings its writable fd
-        (the caller owns it)."""
+        """Make room for ``nbytes`` and a new segment; the caller owns the writable fd."""
         reply, fds = call(self.chan, {"op": "reserve", "key": key, "nbytes": nbytes,
                                       "refs": refs})
         return cast(ReserveReply, reply), fds
@@ -245,8 +237,7 @@ class Session:
         return call(self.chan, msg)[0]
 
     def report(self, key: str, seconds: float, *, verified: bool | None = None) -> None:
-        """Tell the daemon how long a warm load took, and whether verify mode passed it
-        (no reply)."""
+        """Report a warm load's time and whether verify mode passed it (no reply)."""
         msg: ReportRequest = {"op": "report", "key": key, "seconds": seconds}
         if verified is not None:
             msg["verified"] = verified
@@ -287,8 +278,7 @@ def _recv(chan: Channel) -> tuple[Frame, list[int]]:
 
 
 def _refusal(reply: Frame) -> OvermindError:
-    """The exception for an ``{"ok": false}`` reply (`ErrorReply`): the one place error
-    kinds are decoded."""
+    """The exception for an `ErrorReply`: the one place error kinds are decoded."""
     raw = reply.get("kind", "")
     kind = ErrorKind.decode(raw)
     text = str(reply.get("error", "the daemon refused"))

@@ -1,24 +1,11 @@
 """Cache keys: a key changes whenever the result of a call could change.
 
-A key hashes:
-
-- the callable really called: ``module.Class.method`` of the class the method was looked
-  up on (``CLIPTextModelWithProjection.from_pretrained`` even though ``PreTrainedModel``
-  defines it);
-- every argument bound to the signature, defaults applied, normalized (``torch.float16``,
-  paths made absolute and resolved, objects from the cache by their own key);
-- a signature of the source: for a local directory the relative paths, sizes and mtimes
-  of its files, for a file its size and mtime, for a hub id the revision resolved in the
-  local hub cache (and the snapshot's files);
-- the versions of Python, torch, the loading libraries and this package's format;
-- a digest of the loader's code where it is the user's own (its module, ``__main__``, a
-  notebook cell, an editable install: ``user_code.code_of``); the classes of the result
-  are checked when the entry is hit (Note [What a warm hit skips]);
-- the process state the loaders read besides their arguments (``Note [What a warm hit
-  skips]``).
-
-An argument that cannot be normalized raises :class:`NotCacheable`; the call then runs
-uncached.
+A key hashes the callable really called (``module.Class.method`` of the class it was looked up
+on), every argument bound to the signature and normalized (paths resolved, objects from the
+cache by their key), a signature of the source (a directory's files, a file, a hub revision),
+the versions, the user's own loader code (``user_code.code_of``) and the process state the
+loaders read (Note [What a warm hit skips]). An argument that cannot be normalized raises
+:class:`NotCacheable`: the call runs uncached.
 """
 
 from __future__ import annotations
@@ -59,8 +46,7 @@ class KeyInfo:
     callable: str
     source: str | None
     call: ReplaySpec | None  # None when the call cannot be replayed
-    #: what a restarted daemon checks before it serves the entry again: the source
-    #: signature (local sources), the library versions and the interpreter
+    #: what a restarted daemon checks before serving it: source signature, versions, python
     validate: dict[str, Any] | None = None
 
 
@@ -69,8 +55,7 @@ _keys_by_id: dict[int, tuple[weakref.ref[Any], str]] = {}
 
 
 def remember(obj: Any, key: str) -> None:
-    """Record that ``obj`` came from the cache entry ``key`` (rebuilt from it, or the
-    loader's own object of a first load stored in the background)."""
+    """Record that ``obj`` came from the cache entry ``key`` (rebuilt, or stored from it)."""
     ident = id(obj)
 
     def forget(_ref: weakref.ref[Any]) -> None:
@@ -132,13 +117,9 @@ MAX_DEPTH = 32
 
 
 def normalize(value: Any, where: str, _seen: tuple[int, ...] = ()) -> Any:
-    """A JSON-able, canonical description of an argument value.
-
-    Config-like objects (anything with ``to_dict``, and dataclasses) enter through their
-    complete state: every attribute, private ones and nested configs included, not the
-    library's ``to_dict()``, which drops fields such as ``_attn_implementation_internal``
-    that change what ``from_pretrained`` builds.
-    """
+    """A JSON-able, canonical description of an argument value. Config-like objects (with
+    ``to_dict``, dataclasses) enter by their complete state, not ``to_dict()``, which drops
+    fields such as ``_attn_implementation_internal`` that change what gets built."""
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if len(_seen) > MAX_DEPTH or id(value) in _seen:
@@ -223,27 +204,16 @@ def _source_signature(text: str) -> dict[str, Any]:
 
 
 def _file_identity(st: os.stat_result) -> list[int]:
-    """Note [File signatures]: what a signature records of every file a load reads.
+    """Note [File signatures]: (device, inode, size, mtime_ns, ctime_ns) of every file a load
+    reads. The inode catches a file replaced by rename even with its mtime restored (``cp -p``,
+    ``rsync -a``); size a truncation or append; mtime an ordinary write; ctime a write whose
+    mtime was set back, a ``chmod``, a new hard link (user space cannot set a ctime).
 
-    (device, inode, size, mtime_ns, ctime_ns), and what each catches:
-
-    - inode (with the device): a file replaced by rename (``save_pretrained``, ``cp``
-      to a temporary name and ``mv``, ``rsync``), even one of the same size whose old mtime
-      was restored (``cp -p``, ``rsync -a``, ``touch -r``);
-    - size: a truncation or an append;
-    - mtime_ns: an ordinary write in place;
-    - ctime_ns: a write in place whose mtime was set back (``os.utime``, ``touch -d``),
-      a ``chmod``, a new hard link (a second name through which the file can be rewritten):
-      user space cannot set a ctime, the kernel moves it on every change of the inode.
-
-    What remains: two writes within one tick of the file system's timestamp clock (a few
-    ms on kernels before 6.13's fine-grained timestamps) look like one, so a file written
-    *while* its signature is taken can go unseen; the daemon therefore checks the source
-    again when the entry is stored (``source_changed`` in ``_daemon/persist.py``), after
-    the load read it. An in-place write that keeps size, mtime and ctime needs root
-    (setting the clock, or writing the block device). A signature that cannot be taken
-    (a file that cannot be stat'ed) raises ``NotCacheable`` or changes the key: a miss,
-    never a stale hit.
+    Two writes within one timestamp tick (a few ms before Linux 6.13) look like one, so a file
+    written *while* its signature is taken can go unseen: the daemon checks the source again
+    when the entry is stored (``source_changed`` in ``_daemon/persist.py``). An in-place write
+    that keeps size, mtime and ctime needs root. A signature that cannot be taken raises
+    ``NotCacheable`` or changes the key: a miss, never a stale hit.
     """
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
@@ -295,47 +265,23 @@ def _hub_signature(repo_id: str, revision: Any) -> dict[str, Any]:
     return {"hub": repo_id, "revision": revision}
 
 
-# Note [What a warm hit skips]: a hit returns what an earlier call built, so everything
-# that call read and that can change what it builds must be in the key. Besides the
-# arguments and the source files, diffusers' and transformers' ``from_pretrained`` (and
-# the tokenizer, processor and scheduler loaders) read:
-#
-# - library versions: python, torch, diffusers, transformers, accelerate, safetensors,
-#   huggingface_hub, tokenizers, peft (which code runs; accelerate changes the default
-#   of ``low_cpu_mem_usage``, peft whether adapters load);                  -> _versions
-# - torch's default dtype (``torch.set_default_dtype``) and default device
-#   (``torch.set_default_device``): parameters are created with them;     -> _process_state
-# - the accelerators torch sees (CUDA/MPS device counts: ``device_map="auto"``);
-# - which attention backends are installed (flash_attn, flash_attn_interface, kernels,
-#   xformers, sageattention): transformers picks the default ``attn_implementation``
-#   from them, diffusers its dispatch backend;
-# - environment variables: every ``DIFFUSERS_*``, ``TRANSFORMERS_*``, ``HF_*``,
-#   ``ACCELERATE_*`` and ``USE_*`` variable (``DIFFUSERS_ATTN_BACKEND``,
-#   ``TRANSFORMERS_SDPA_FORCE_GQA``, ``USE_SAFETENSORS``, ``HF_ENDPOINT``,
-#   ``HF_MODULES_CACHE``...) and the distributed ones (``WORLD_SIZE``, ``RANK``,
-#   ``LOCAL_RANK``), except those that only change what is printed or who you are
-#   (``_ENV_IGNORED``: verbosity, progress bars, telemetry, tokens);
-# - the user's own code, where no version says what it is: the loader (the function, the
-#   class a classmethod is bound to, its MRO) enters by a digest of its module file, or of
-#   its source or bytecode when it has no file (``__main__`` of ``python -c``, notebook
-#   cells), for each part that is not from a regular installed distribution: the user's
-#   modules, ``__main__``, HF dynamic modules, editable installs (Note [Regular code] in
-#   ``user_code``). A library's own loader adds ``{}``, a cached lookup per class.
-#                                                                    -> user_code.code_of
-#
-# Deliberately not in the key, because they are handled otherwise:
-# - the classes and functions in the result that are the user's code (a model class
-#   registered with an Auto class, a custom pipeline component): the pickler collects
-#   them, the entry records their digests, and a hit whose code differs from this
-#   process's is a miss that replaces the entry (Note [Code that changed under an entry]
-#   in ``load``);
-# - random generators: a load that draws from one is not cached at all (``Note
-#   [Loads that draw random numbers]`` in ``load``);
-# - warnings and log records: recorded with the entry and replayed on a hit;
-# - side effects on arguments (transformers sets private fields of a ``config=`` it is
-#   given): a hit does not repeat them;
-# - ``torch.backends`` flags (TF32, SDPA kernel choice): they act when a model runs, not
-#   when it is built, and a hit leaves them as they are.
+# Note [What a warm hit skips]: a hit returns what an earlier call built, so everything that
+# call read that can change what it builds is in the key. Besides arguments and source files,
+# the HF loaders read:
+# - library versions (accelerate changes ``low_cpu_mem_usage``, peft adapters) -> _versions
+# - torch's default dtype and device, the accelerators it sees (``device_map="auto"``), the
+#   attention backends installed (they pick ``attn_implementation``)      -> _process_state
+# - environment variables: ``DIFFUSERS_*``, ``TRANSFORMERS_*``, ``HF_*``, ``ACCELERATE_*``,
+#   ``USE_*`` and the distributed ones (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``), except those
+#   that change only output or identity (``_ENV_IGNORED``: verbosity, progress, tokens)
+# - the user's own code, which no version names: the loader (function, class, MRO) by a digest
+#   of its file, or source or bytecode without one, for each part not from a regular
+#   installed distribution (Note [Regular code] in ``user_code``)         -> user_code.code_of
+# Handled otherwise: the user's classes in the result (their digests are in the entry; a hit
+# with other code is a miss that replaces it: Note [Code that changed under an entry] in
+# ``load``); random generators (a load that draws is not cached: Note [Loads that draw random
+# numbers]); warnings and log records (replayed); side effects on arguments (not repeated);
+# ``torch.backends`` flags (they act when a model runs, not when it is built).
 _VERSIONED = ("torch", "diffusers", "transformers", "accelerate", "safetensors",
               "huggingface_hub", "tokenizers", "peft")
 _ENV_PREFIXES = ("DIFFUSERS_", "TRANSFORMERS_", "HF_", "ACCELERATE_", "USE_")
@@ -363,9 +309,8 @@ def _versions(qualname: str) -> dict[str, str]:
 
 @functools.lru_cache(maxsize=1)
 def _installed_versions() -> dict[str, str]:
-    # From the installed metadata, not from what happens to be imported: a refresh
-    # worker that imported less must compute the same key. Read once per process, as
-    # the code a process runs does not change when a package is upgraded under it.
+    # From installed metadata, not what is imported (a refresh worker must get the same key);
+    # once per process, as its code does not change when a package is upgraded under it.
     from importlib import metadata
 
     found = _dist_info_versions()
@@ -389,15 +334,12 @@ def _canonical(name: str) -> str:
 
 
 def _dist_info_versions() -> dict[str, str]:
-    """Installed distributions by canonical name: the version from the name of their
-    ``<name>-<version>.dist-info`` folder, first along ``sys.path`` as importlib.metadata
-    finds them; ``""`` for an ``.egg-info`` folder (ask importlib).
+    """Installed distributions by canonical name -> version from their ``.dist-info`` folder
+    name, first along ``sys.path``; ``""`` for ``.egg-info`` (ask importlib).
 
-    Note [Versions without METADATA]: ``importlib.metadata.version`` parses the whole
-    METADATA file with the email parser (torch's is ~50 KB): 15-25 ms for the keyed
-    libraries, a third of a warm UNet load in a fresh kernel. The folder's name holds
-    the same version (the wheel spec names it so, with the name's ``-`` escaped to
-    ``_``), so only the directory listings of ``sys.path`` are read.
+    Note [Versions without METADATA]: ``importlib.metadata.version`` parses METADATA with the
+    email parser (torch's ~50 KB): 15-25 ms, a third of a warm UNet load in a fresh kernel. The
+    folder's name holds the same version (wheel spec), so only directory listings are read.
     """
     found: dict[str, str] = {}
     for entry in sys.path:
@@ -417,20 +359,13 @@ def _dist_info_versions() -> dict[str, str]:
 
 @functools.lru_cache(maxsize=1)
 def _attention_packages() -> tuple[str, ...]:
-    # Looked up once per process: installing one mid-session needs a restart to be
-    # used by the libraries too (they cache the same answer).
+    # Once per process: the libraries cache the same answer.
     return tuple(p for p in _ATTENTION_PACKAGES if importlib.util.find_spec(p) is not None)
 
 
 def _torch_if_installed() -> Any:
-    """torch, imported if it is installed and not yet imported.
-
-    A load that does not need torch (a tokenizer, a scheduler's config) may still import
-    it on the way (transformers does where it is installed); keyed on whether torch was
-    imported, the first load's key would differ from every later one's in the same
-    process: never warm. Where torch is installed, the libraries being loaded import it
-    anyway, so this import only moves that cost earlier.
-    """
+    """torch, imported if installed. Loaders import it on the way where installed; keyed on
+    whether it was imported, a process's first key would differ from its later ones."""
     torch = sys.modules.get("torch")
     if torch is None and _torch_installed():
         import torch

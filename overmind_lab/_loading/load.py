@@ -1,21 +1,12 @@
 """``load()``: a cached call, warm from shared memory when any process loaded it before.
 
-The cold load runs in this process (its libraries are already imported); the result is
-pickled with tensor bytes out of band, the bytes go into a new segment the daemon created
-for it (a file in the cache directory, or a memfd) or stay in the source file the entry
-links to, and the caller gets the loader's own object (Note [Never worse than plain]);
-every later load, in any process, is rebuilt from the entry. A large result is stored by
-a forked copy of this process, so the caller gets it at once (``background``, Note
-[Storing in a forked process]). The cache never makes a load fail: whatever goes wrong on
-the cache's side, the caller gets the original function's result and one warning.
-
-A hit must be indistinguishable from the plain load it replaces: the key covers every
-input (``Note [What a warm hit skips]`` in ``keys``); a load that draws random numbers is
-not cached (``Note [Loads that draw random numbers]``); warnings and log records of the
-cold call are replayed on every hit; and exceptions of the original loader reach the
-caller with none of ours attached (``Note [Clean exceptions]``). Verify mode
-(``OVERMIND_LAB_VERIFY=1``, ``patch_all(verify=True)``, :func:`verifying`) checks every
-hit against a plain load.
+The cold load runs here; its result is pickled with tensor bytes out of band into a segment
+the daemon created (or left in the source file the entry links to), and the caller gets the
+loader's own object (Note [Never worse than plain]); a large result is stored by a forked copy
+(Note [Storing in a forked process]). A hit must be indistinguishable from the plain load: the
+key covers every input (Note [What a warm hit skips] in ``keys``), loads that draw random
+numbers are not cached, warnings and log records are replayed, the loader's exceptions carry
+none of ours (Note [Clean exceptions]); verify mode checks every hit against a plain load.
 """
 
 from __future__ import annotations
@@ -60,8 +51,7 @@ key_of = _keys.key_of
 
 
 class Meta(TypedDict):
-    """An entry's ``meta``: how to rebuild the result from its segments. The daemon keeps
-    it without looking into it (a ``JsonObject`` on the wire); only this module reads it."""
+    """An entry's ``meta``: how to rebuild the result; the daemon never looks into it."""
 
     stream: list[int]  # segment index, offset and length of the pickle stream
     pickler: str  # "pickle" or "dill"
@@ -69,8 +59,7 @@ class Meta(TypedDict):
     observed: dict[str, Any]  # warnings and log records to replay (observe.Observed)
     #: the user's code in the result: "module:qualname" -> digest (``user_code.graph_code``)
     code: NotRequired[dict[str, str]]
-    #: the stream has hooks or hook handles: torch's hook counter before and after the
-    #: original load, to renumber them (Note [Hook ids] in ``pickling``)
+    #: torch's hook counter before and after the load, if hooks (Note [Hook ids] in pickling)
     hooks: NotRequired[list[int]]
 
 
@@ -188,11 +177,9 @@ def _plain(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) 
 
 
 def load(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
-    """Call ``fn(*args, **kwargs)`` through the cache.
-
-    The first call (in any process of this user) runs ``fn`` and parks the result in
-    shared memory; later calls rebuild it from there without copying tensor bytes.
-    In-place changes stay private to the process that makes them.
+    """Call ``fn(*args, **kwargs)`` through the cache: the first call (in any process of this
+    user) parks the result in shared memory, later ones rebuild it without copying tensor
+    bytes. In-place changes stay private to the process that makes them.
 
     >>> unet = overmind_lab.load(UNet2DConditionModel.from_pretrained,   # doctest: +SKIP
     ...                          "/models/unet", dtype=torch.float16)
@@ -209,10 +196,8 @@ def load(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         _emit(LoadEvent(None, _keys.describe(fn, args, kwargs), "bypass",
                         time.perf_counter() - start))
         return result
-    # Note [Clean exceptions]: the original loader is never called inside one of our
-    # ``except`` blocks. An exception it raised there would carry ours as __context__,
-    # and the user's traceback would show overmind-lab's internals under "During
-    # handling of the above exception". Each ``except`` only decides; the call follows.
+    # Note [Clean exceptions]: the loader is never called inside one of our ``except`` blocks,
+    # or its exception would carry ours as __context__ in the user's traceback.
     key_error: str | None = None
     try:
         info = _keys.make_key(fn, args, kwargs)
@@ -271,8 +256,8 @@ def _load_with(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
     components = _components(args, kwargs)
     if entry is not None:
         return _hit(session, fn, args, kwargs, info, start, entry, fds, components)
-    # We hold the lease: load it here, then park it. An exception from fn propagates
-    # unchanged; closing the session releases the lease for the next waiter.
+    # We hold the lease: load here, then park it. fn's exception propagates unchanged; closing
+    # the session releases the lease.
     rng_before = observe.snapshot()
     counter_before = hook_counter()
     with observe.Capture() as capture:
@@ -281,13 +266,10 @@ def _load_with(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
     taken = (counter_before, hook_counter())  # Note [Hook ids] in ``pickling``
     drawn = observe.changed(rng_before, observe.snapshot())
     if drawn:
-        # Note [Loads that draw random numbers]: a load that moved a random generator
-        # (weights initialised at random: a new head, ignore_mismatched_sizes) depends
-        # on the seed, and leaves the generator somewhere else. A hit would give seed 1
-        # the weights drawn for seed 0 and leave the stream where it was. Such loads are
-        # not cached, so seeded notebooks behave exactly as without the cache.
-        # (Keying on the generators' state instead would miss for every fresh process:
-        # numpy and random are seeded from entropy.)
+        # Note [Loads that draw random numbers]: a load that moved a random generator (a new
+        # head initialised at random) depends on the seed and moves the stream; a hit would give
+        # seed 1 seed 0's weights. Such loads are not cached (keying on the generators' state
+        # would miss in every fresh process, seeded from entropy).
         reason = (f"it draws random numbers ({', '.join(drawn)} generator) while loading, "
                   "e.g. to initialise weights missing from the checkpoint; it is not "
                   "cached, so that seeds keep working")
@@ -301,12 +283,10 @@ def _load_with(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
 
         if background.start(store, info.key, info.name, _report_background,
                             keep_fds=[session.chan.sock.fileno()]):
-            # The child has the session now (its lease, its socket): this process only
-            # closes its copy, when ``load`` leaves ``with session``. The caller gets the
-            # loader's own object: it *is* the plain load. Its tensors are the loader's
-            # memory (or the source file's mapping, which the entry links to), so this
-            # process is not listed as a holder of the entry, and a later store that
-            # includes them copies their bytes instead of referencing the segment.
+            # The child has the session now; this process closes its copy when ``load`` leaves
+            # ``with session``. The caller's object is the loader's own (memory, or the source
+            # file's mapping), so this process is no holder of the entry, and a later store
+            # that includes its tensors copies them instead of referencing the segment.
             _keys.remember(result, info.key)
             _emit(LoadEvent(info.key, info.name, "cold", time.perf_counter() - start,
                             cold_seconds=cold, reason=background.REASON))
@@ -334,23 +314,17 @@ class _CodeChanged(Exception):
     """An entry built by other code than this process's, twice (see ``_lookup``)."""
 
 
-# Note [Code that changed under an entry]: the key holds the loader's code, not the code
-# of the classes the result is made of (a model class registered with an Auto class, a
-# component a pipeline imports by name, a class of an editable install): those are known
-# only after the load, so the pickler collects them and the entry records their digests
-# (``user_code.graph_code``, ``Meta.code``). A hit compares them with this process's code
-# before anything is rebuilt (free for entries without user code). When they differ, the
-# hit is a miss: the descriptors are closed and the key is looked up again with
-# ``refresh``, as ``refreshing()`` does, which gives this process the lease although an
-# entry exists; it loads from source and its store replaces the entry. Unchanged code
-# stays warm. If another process held the lease meanwhile, the daemon answers with that
-# process's fresh entry; when that one differs too (two processes running different code
-# under one key), this load runs uncached instead of taking turns with the other.
+# Note [Code that changed under an entry]: the key holds the loader's code, not the code of
+# the result's classes (known only after the load): the entry records their digests
+# (``user_code.graph_code``, ``Meta.code``) and a hit compares them with this process's code
+# first. If they differ, the key is looked up again with ``refresh`` (as ``refreshing()``),
+# which takes the lease although an entry exists; the load's store replaces the entry. If
+# another process refreshed it meanwhile with code that differs too (two processes running
+# different code under one key), this load runs uncached rather than take turns.
 def _lookup(session: Session,
             info: _keys.KeyInfo) -> tuple[WireEntry | None, list[int], str | None]:
-    """A hit built by this process's code, ``(entry, fds, None)``; or the lease, ``(None,
-    [], why)``, where ``why`` says which code changed, if an entry was there. Raises
-    ``_CodeChanged`` when a second entry in a row was built by other code."""
+    """A hit built by this process's code, ``(entry, fds, None)``; or the lease, ``(None, [],
+    why)``. Raises ``_CodeChanged`` when a second entry in a row was built by other code."""
     entry, fds = session.lookup(info.key, refresh=bool(_state.refresh))
     stale: str | None = None
     for again in (False, True):
@@ -367,20 +341,15 @@ def _lookup(session: Session,
     raise AssertionError("unreachable")
 
 
-# Note [Never worse than plain]: the cache may make a load faster, never different and
-# never failing. So:
-# - a first load returns the loader's own object, stored or not: it *is* the plain load,
-#   and nothing of it happens that a plain load would not make happen (a rebuilt copy in
-#   its place would let the original be collected, and its finalisers run; its storages
-#   would sit at other addresses). Later loads, in any process, are rebuilt from the
-#   entry (``_hit``), and the fingerprint proves them equal to a plain load;
-# - any exception while pickling, reserving, writing or storing (pickle raises far more
-#   than ``PicklingError``: ``RuntimeError`` from a parametrization, ``NotImplementedError``
-#   from a C type) makes the load uncached with one warning naming the cause; the entry is
-#   never stored (the daemon drops a reservation whose session ends without ``store``);
-# - any exception while rebuilding a hit evicts the entry and loads plainly, with one
-#   warning;
-# - exceptions of the loader itself reach the caller unchanged (Note [Clean exceptions]).
+# Note [Never worse than plain]: the cache may make a load faster, never different, never
+# failing:
+# - a first load returns the loader's own object, stored or not: it *is* the plain load (a
+#   rebuilt copy would let the original be collected, its finalisers run, its storages move);
+#   later loads are rebuilt from the entry (``_hit``), proven equal by the fingerprint;
+# - any exception while pickling (far more than ``PicklingError``), reserving, writing or
+#   storing makes the load uncached with one warning; the daemon drops the reservation;
+# - any exception while rebuilding a hit evicts the entry and loads plainly, with one warning;
+# - the loader's own exceptions reach the caller unchanged (Note [Clean exceptions]).
 def _failure_text(exc: BaseException) -> str:
     if isinstance(exc, (OvermindError, OSError)):
         return str(exc)
@@ -443,10 +412,8 @@ def _hit(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
 def _verify(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
             warm: Any, observed: observe.Observed,
             rng_before: dict[str, Any], hooks_before: int) -> tuple[Any, str | None]:
-    """Load plainly from the same generator state and compare with the hit.
-
-    Returns the plain result and the first difference (``None`` when they are equal).
-    The generators are left as the plain load leaves them.
+    """Load plainly from the same generator state and compare with the hit: the plain result
+    and the first difference (``None`` if equal); generators left as the plain load leaves them.
     """
     from overmind_lab._common.fingerprint import compare
 
@@ -465,9 +432,8 @@ def _verify(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any
         elif hook_counter() != hooks_warm:
             found = (f"torch's hook id counter after the load: {hooks_warm} vs "
                      f"{hook_counter()}")
-    # What the plain load said must be among what the hit replayed. Not the reverse: a
-    # plain load in a process that has shown a once-only message (the default warnings
-    # filter, transformers' ``warning_once``) stays silent where a hit replays it.
+    # What the plain load said must be among what the hit replayed, not the reverse (a
+    # once-only message shown before in this process stays silent in the plain load).
     unsaid = [m for m in capture.observed.messages() if m not in observed.messages()]
     if found is None and unsaid:
         found = f"the warnings and log records emitted: the plain load also said {unsaid!r}"
@@ -530,10 +496,8 @@ def _store(session: Session, info: _keys.KeyInfo, result: Any, cold: float,
 
 
 def _link_sources(session: Session, key: str, plan: WritePlan) -> dict[str, str]:
-    """Ask the daemon to link the plan's source files into the cache: path -> segment id.
-
-    Files it refuses (another file system, the memfd tier, changed meanwhile) are missing.
-    """
+    """Ask the daemon to link the plan's source files: path -> segment id (refused ones
+    missing: another file system, the memfd tier, changed meanwhile)."""
     files = plan.files
     if not files:
         return {}

@@ -81,16 +81,11 @@ class OvermindMagics(Magics):
     def overmind_load(self, line: str = "", cell: str | None = None) -> Any:
         """Cache ``from_pretrained`` in this kernel, or run a statement through the cache.
 
-        ``%overmind_load`` alone patches diffusers and transformers in this kernel
-        (``overmind_lab.patch_all()``) and prints the daemon status. From then on every
-        ``from_pretrained`` is cached: after a kernel restart the same cell loads warm.
-
-        ``%overmind_load <statement>`` does the same, runs the statement in the user
-        namespace and prints one line per load, such as
-        ``warm 0.05 s (cold load was 2.91 s, 58x)``. ``%%overmind_load`` does it for
-        every load in the cell. The value of a final expression is returned.
-
-        It works inside ``%timeit``::
+        ``%overmind_load`` alone patches diffusers and transformers (``patch_all()``) and prints
+        the daemon status: after a kernel restart the same cell loads warm. ``%overmind_load
+        <statement>`` also runs the statement in the user namespace and prints one line per
+        load (``warm 0.05 s (cold load was 2.91 s, 58x)``); ``%%overmind_load`` does it for a
+        cell. A final expression's value is returned. It works inside ``%timeit``::
 
             %timeit -n1 -r5 %overmind_load --cold pipe = Pipe.from_pretrained(path)
             %timeit -n1 -r5 %overmind_load pipe = Pipe.from_pretrained(path)
@@ -139,11 +134,8 @@ class OvermindMagics(Magics):
     @magic_arguments()
     @line_magic
     def overmind_status(self, line: str = "") -> StatusReport:
-        """Show the cache: every entry with its size, hits and cold vs warm load times.
-
-        HTML in JupyterLab, VS Code and Notebook, aligned text in a terminal. The result
-        is a ``StatusReport``; ``.status`` and ``.entries`` hold the daemon's JSON.
-        """
+        """Show the cache: every entry with its size, hits and cold vs warm load times (HTML
+        in a notebook, text in a terminal); ``.status`` and ``.entries`` hold the JSON."""
         parse_argstring(self.overmind_status, line)
         import overmind_lab
 
@@ -185,11 +177,8 @@ class OvermindMagics(Magics):
         return result
 
     def _execute(self, source: str) -> Any:
-        """Run ``source`` in the user namespace, like ``%time`` does.
-
-        Not ``shell.run_cell``: inside ``%timeit`` that would start a nested cell
-        execution (history, display hooks, execution count) for every repeat.
-        """
+        """Run ``source`` in the user namespace, like ``%time`` (``run_cell`` inside
+        ``%timeit`` would start a nested cell execution per repeat)."""
         shell = self.shell
         assert shell is not None
         code = shell.transform_cell(source)
@@ -228,8 +217,7 @@ def _kernel_status() -> str:
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """``%load_ext overmind_lab``: register the magics (patching waits for
-    ``%overmind_load``)."""
+    """``%load_ext overmind_lab``: register the magics (patching waits for ``%overmind_load``)."""
     ipython.register_magics(OvermindMagics)
 
 

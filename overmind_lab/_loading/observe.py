@@ -1,15 +1,7 @@
-"""What a load does besides returning its result: random draws, warnings, log records.
-
-A warm hit must behave like the plain load it stands for. Two things a loader does on the
-side are visible to the user:
-
-- it may draw from a random generator (weights initialised at random): the generators'
-  states are snapshotted around the cold call (:func:`snapshot`, :func:`changed`), and a
-  load that moved one is not cached (``Note [Loads that draw random numbers]`` in
-  ``load``);
-- it may warn or log ("Some weights of ... were not initialized", "You have disabled the
-  safety checker"): :class:`Capture` records both during the cold call, they are stored
-  with the entry and :func:`replay` emits them again on every hit.
+"""What a load does besides returning its result, which a hit must repeat: random draws (a load
+that moved a generator is not cached: Note [Loads that draw random numbers] in ``load``), and
+warnings and log records (:class:`Capture` records them in the cold call, :func:`replay` emits
+them on every hit).
 """
 
 from __future__ import annotations
@@ -32,11 +24,8 @@ _LIBRARY_LOGGERS = ("diffusers", "transformers", "huggingface_hub", "accelerate"
 
 # -- random generators ------------------------------------------------------------------
 def snapshot() -> dict[str, Any]:
-    """The state of every generator a loader may draw from, in this process.
-
-    Python's ``random``; numpy's global generator if numpy is imported; torch's default
-    CPU generator and, where CUDA is initialised, every CUDA generator.
-    """
+    """The state of every generator a loader may draw from: ``random``, numpy's global one if
+    imported, torch's CPU generator and every CUDA one where CUDA is initialised."""
     state: dict[str, Any] = {"random": random.getstate()}
     np = sys.modules.get("numpy")
     if np is not None:
@@ -106,14 +95,10 @@ class _Recorder(logging.Handler):
 
     Note [Records seen by two loggers]
     ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    The recorder is attached to the root logger and to the library roots, so a record
-    that propagates from one to the other reaches it twice; it is recognised by identity.
-    An ``id()`` is only unique among live objects: a record is usually freed as soon as
-    its handlers return, and the next record is often allocated at the same address. A
-    set of ids alone therefore took the second of two consecutive records (diffusers'
-    "An error occurred while trying to fetch" ERROR, then its "Defaulting to unsafe
-    serialization" WARNING) for the first, and dropped it. ``seen`` keeps every record it
-    names alive until the capture ends, so no id is reused while it is in the set.
+    Attached to the root logger and the library roots, it sees a propagated record twice,
+    told apart by identity. An ``id()`` is unique only among live objects, and the next record
+    often reuses a freed one's address (diffusers' ERROR then WARNING: the second was dropped).
+    ``seen`` keeps every record it names alive until the capture ends.
     """
 
     def __init__(self, out: list[dict[str, Any]]) -> None:
@@ -136,13 +121,9 @@ class _Recorder(logging.Handler):
 
 
 class Capture:
-    """Record the warnings and log records of a call.
-
-    Log records reach their handlers as usual (the user sees them); warnings are held
-    while the call runs and shown when it ends, also when it raises, through the
-    filters in force. With ``emit=False`` both are only recorded: verify mode's second,
-    plain load, whose output the user has already seen from the hit.
-    """
+    """Record the warnings and log records of a call. Log records reach their handlers as
+    usual; warnings are held and shown, through the filters in force, when it ends (also on
+    raise). ``emit=False`` only records (verify mode's plain load: the hit already spoke)."""
 
     def __init__(self, *, emit: bool = True) -> None:
         self.emit = emit
@@ -192,9 +173,8 @@ def _category(name: str) -> type[Warning]:
     return obj if isinstance(obj, type) and issubclass(obj, Warning) else UserWarning
 
 
-#: Per source file, the registry that ``warn_explicit`` uses for "show once per
-#: location" filters (the default): a warning replayed by every hit shows as often as the
-#: same warning raised by repeated plain loads in one process.
+#: Per source file, ``warn_explicit``'s "once per location" registry: a warning replayed by every
+#: hit shows as often as by repeated plain loads.
 _registries: dict[str, dict[Any, Any]] = {}
 
 

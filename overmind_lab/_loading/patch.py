@@ -14,48 +14,20 @@ User guide
 
     overmind_lab.unpatch_all()        # every patched attribute is exactly the original again
 
-After :func:`patch_all`, a call such as ``UNet2DConditionModel.from_pretrained(p, ...)`` is
-``overmind_lab.load(<the original from_pretrained bound to UNet2DConditionModel>, p, ...)``:
-the cache key names the class that was really called, so ``CLIPTextModel`` and
-``CLIPTextModelWithProjection`` loaded from one directory are two entries. Loads nested
-inside a cached load (a pipeline loading its components, ``AutoModel`` delegating to
-``BertModel``) run plainly inside it: only the outermost call is cached.
+After :func:`patch_all`, ``UNet2DConditionModel.from_pretrained(p, ...)`` is
+``overmind_lab.load(<the original bound to UNet2DConditionModel>, p, ...)``: the key names the
+class really called. Loads nested inside a cached load run plainly: only the outermost is cached.
 
-What is patched
----------------
-
-The ``from_pretrained`` (or ``from_single_file``) classmethod of these base classes, and of
-every subclass that defines its own (``LegacyModelMixin``, ``MultiControlNetModel``, each
-transformers ``Auto*`` class, which all carry their own copy of the method):
-
-- diffusers: ``ModelMixin``, ``DiffusionPipeline``, ``SchedulerMixin``,
-  ``FromSingleFileMixin`` and ``FromOriginalModelMixin`` (``from_single_file``), the
-  ``AutoPipelineFor*`` classes and ``AutoModel``;
-- transformers: ``PreTrainedModel``, ``PreTrainedTokenizerBase``, ``ProcessorMixin``,
-  ``FeatureExtractionMixin``, ``ImageProcessingMixin`` (and so video processors), and the
-  ``Auto*`` classes (``AutoModel*``, ``AutoTokenizer``, ``AutoProcessor``,
-  ``AutoFeatureExtractor``, ``AutoImageProcessor``, ``AutoVideoProcessor``).
-
-Configurations (``AutoConfig``, ``PretrainedConfig``) are not patched: they load in
-milliseconds from a small JSON file, faster than a round trip to the daemon.
-
-Both libraries import most of their modules lazily. Classes that are already imported
-are patched at once; for the rest, :func:`patch_all` installs an import hook on
-``sys.meta_path`` that patches each module of diffusers/transformers right after it has
-executed. :func:`unpatch_all` removes the hook.
-
-Like ``gevent.monkey``, originals are saved once (``setdefault``): patching twice is
-harmless, and :func:`get_original` gives the saved original back.
-
-diffusers dynamic modules
--------------------------
-
-Custom pipelines and ``trust_remote_code`` models are instances of classes in
-``diffusers_modules.*`` / ``transformers_modules.*``, packages under the Hugging Face
-modules cache that the libraries put on ``sys.path`` only when they import such code. A
-warm load in a fresh process needs nothing from here: the cache's unpickler puts that
-directory on ``sys.path`` before it imports them (Note [Dynamic modules] in
-``_loading/pickling.py``).
+Patched: ``from_pretrained`` (or ``from_single_file``) of these bases and every subclass that
+defines its own (each transformers ``Auto*`` class carries a copy): diffusers ``ModelMixin``,
+``DiffusionPipeline``, ``SchedulerMixin``, ``FromSingleFileMixin``, ``FromOriginalModelMixin``,
+``AutoPipelineFor*``, ``AutoModel``; transformers ``PreTrainedModel``,
+``PreTrainedTokenizerBase``, ``ProcessorMixin``, ``FeatureExtractionMixin``,
+``ImageProcessingMixin`` and the ``Auto*`` classes. Configurations are not: they load faster
+than a round trip to the daemon. Classes not yet imported are patched by an import hook on
+``sys.meta_path`` right after their module executes. Like ``gevent.monkey``, originals are saved
+once: patching twice is harmless and :func:`get_original` gives them back. Dynamic modules
+(``diffusers_modules.*``) need nothing here (Note [Dynamic modules] in ``pickling.py``).
 """
 
 from __future__ import annotations
@@ -129,12 +101,9 @@ _failed: set[str] = set()
 
 def patch_all(*, diffusers: bool = True, transformers: bool = True,
               verify: bool | None = None) -> None:
-    """Cache ``from_pretrained`` of diffusers and transformers in this process.
-
-    Works before or after those libraries are imported; calling it again is harmless.
-    ``verify=True`` also loads every hit plainly and compares the two (slow: for proof
-    and tests); ``False`` turns that off again; ``None`` leaves it as it is (it is also
-    on when ``OVERMIND_LAB_VERIFY=1``).
+    """Cache ``from_pretrained`` of diffusers and transformers in this process (before or after
+    they are imported; again is harmless). ``verify=True`` also loads every hit plainly and
+    compares (slow); ``False`` turns it off; ``None`` leaves it (``OVERMIND_LAB_VERIFY=1``).
 
     >>> import overmind_lab
     >>> overmind_lab.patch_all()
@@ -161,10 +130,7 @@ def patch_all(*, diffusers: bool = True, transformers: bool = True,
 
 
 def unpatch_all() -> None:
-    """Undo :func:`patch_all`: restore every saved original and remove the import hook.
-
-    Afterwards each patched class ``__dict__`` holds exactly the object it held before.
-    """
+    """Undo :func:`patch_all`: each class ``__dict__`` holds exactly what it held before."""
     global _hook, _libraries
     with _lock:
         if _hook is not None:
@@ -182,24 +148,17 @@ def unpatch_all() -> None:
 
 
 def is_patched(obj: Any = None, name: str | None = None) -> bool:
-    """Without arguments: whether :func:`patch_all` is in effect in this process.
-
-    With a class and a method name, or with a method (``UNet2DConditionModel.from_pretrained``):
-    whether that method goes through the cache now.
-    """
+    """Whether :func:`patch_all` is in effect; with a class and a method name, or a method,
+    whether that method goes through the cache now."""
     if obj is None:
         return _hook is not None
     return _find_wrapper(obj, name) is not None
 
 
 def get_original(obj: Any, name: str | None = None) -> Any:
-    """The original, uncached method behind a patched one, bound like the patched one.
-
-    ``get_original(UNet2DConditionModel.from_pretrained)`` and
-    ``get_original(UNet2DConditionModel, "from_pretrained")`` both return diffusers' own
-    ``from_pretrained`` bound to ``UNet2DConditionModel``. Anything not patched is returned
-    unchanged (for the two-argument form, ``getattr(obj, name)``).
-    """
+    """The original method behind a patched one, bound like it: ``get_original(cls.
+    from_pretrained)`` or ``get_original(cls, "from_pretrained")``. Anything not patched is
+    returned unchanged (``getattr(obj, name)``)."""
     found = _find_wrapper(obj, name)
     if found is None:
         return getattr(obj, name) if name is not None else obj
@@ -223,11 +182,8 @@ def _make_wrapper(original: classmethod) -> classmethod:  # type: ignore[type-ar
     @functools.wraps(func)
     def cached(cls: type, *args: Any, **kwargs: Any) -> Any:
         # Note [The wrapper looks load up per call]: ``overmind_lab.load`` is read from the
-        # package on every call, not bound once here, so that whoever replaces that
-        # attribute reaches every patched ``from_pretrained`` too: the peer test's plugin
-        # (``peer/overmind_peer.py``) wraps it to make each load twice and compare, and a
-        # user may wrap it to log. The lookup is one module attribute (the lazy import has
-        # run by the first call), nothing next to a load.
+        # package per call, so whoever replaces it reaches every patched method too (the peer
+        # test's plugin ``peer/overmind_peer.py``, a user's logging wrapper); it costs nothing.
         import overmind_lab
 
         # Bound to cls, the class really called: the key names it, not the definer.
@@ -272,13 +228,10 @@ def _patch_class(cls: type, methods: tuple[str, ...]) -> None:
         setattr(cls, name, _make_wrapper(original))
 
 
-# Note [Copied wrappers]
-# transformers builds each Auto class's method as a copy of the base one, at import time:
-# ``cls.from_pretrained = classmethod(copy_func(_BaseAutoModelClass.from_pretrained))``.
-# When the base is already patched, that copies our wrapper (code, closure and the
-# ``__overmind_original__`` mark). Such an attribute never had an unpatched form, so we
-# build the one the library would have built from the original (same code, the copy's
-# docstring), save that as the original, and wrap it like any other.
+# Note [Copied wrappers]: transformers builds each Auto class's method as a copy of the base one
+# at import (``classmethod(copy_func(...))``), which copies our wrapper when the base is patched.
+# It never had an unpatched form: the one the library would have built from the original is
+# saved as the original, and wrapped like any other.
 def _unwrapped_copy(attr: classmethod) -> classmethod:  # type: ignore[type-arg]
     copy = attr.__func__
     func = getattr(copy, _ORIGINAL_ATTR).__func__
@@ -331,9 +284,8 @@ def _patch_module(module: ModuleType) -> None:
 
 
 class _PatchOnImport:
-    """``sys.meta_path`` finder: patches diffusers/transformers modules right after they
-    execute. It finds the spec with the finders after it, so imports resolve exactly as
-    they would without it, and only wraps the loader."""
+    """``sys.meta_path`` finder: patches diffusers/transformers modules after they execute. It
+    finds the spec with the finders after it and only wraps the loader."""
 
     def find_spec(
         self, fullname: str, path: Any = None, target: ModuleType | None = None

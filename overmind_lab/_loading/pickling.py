@@ -1,21 +1,13 @@
 """Pickling with tensor bytes out of band: ``reduce_*`` on the way in, ``rebuild_*`` out.
 
-:class:`StoragePickler` is a protocol-5 pickler whose ``reducer_override`` turns every
-torch storage into a small reference, a call ``_storage(segment, offset, nbytes, dtype,
-device, typed)``, every plain CPU tensor into one call ``rebuild_whole(segment, offset,
-nbytes, shape...)`` or ``rebuild_tensor`` (Note [One call per tensor]), every ``nn.Module``
-without hooks into the object plus its non-default fields (Note [Modules in one call]); its
-``buffer_callback`` takes large ``PickleBuffer`` objects (numpy arrays) out of the stream
-too. The stream itself is metadata only (~100 KB for a UNet). A :class:`WritePlan`
-decides where every byte goes: into the new segment, or, for a storage that already lives
-unchanged in a cached segment, nowhere (Note [Provenance] in ``segments.py``).
-
-Unpickling rebuilds storages over the private mapping (``torch.frombuffer``, or
-``torch.from_numpy`` of an array over it): no byte is copied, the tensor keeps the
-mapping alive.
-
-Nothing here is registered on a global pickler. ``dill`` is the fallback for objects
-plain pickle refuses (lambdas, nested functions).
+:class:`StoragePickler`'s ``reducer_override`` turns every torch storage into a reference
+(``_storage(segment, offset, nbytes, dtype, device, typed)``), every plain CPU tensor into one
+call (Note [One call per tensor]), every ``nn.Module`` without hooks into the object plus its
+non-default fields (Note [Modules in one call]); large ``PickleBuffer`` objects leave the stream
+too, so it is metadata only. A :class:`WritePlan` puts every byte in the new segment, or nowhere
+for a storage already unchanged in a cached segment (Note [Provenance] in ``segments.py``).
+Unpickling rebuilds storages over the private mapping without a copy. Nothing is registered on
+a global pickler; ``dill`` is the fallback for what pickle refuses (lambdas, nested functions).
 """
 
 from __future__ import annotations
@@ -46,15 +38,11 @@ __all__ = ["WritePlan", "dump", "load_stream", "ALIGN"]
 #: Storages keep their address modulo this (Note [Addresses modulo 64]).
 ALIGN = 64
 
-# Note [Addresses modulo 64]: a storage copied into a segment starts at an offset that
-# is, modulo 64, what its address was in the loader's result; segments are mapped at page
-# boundaries, so a warm tensor's ``data_ptr() % 64`` is the plain load's. It matters for
-# more than looks: torch's CPU kernels pick vectorised or scalar paths, and split their
-# reductions, by alignment, so the same bytes at another alignment give outputs that
-# differ in the last bits (a small UNet's output by up to 5e-7). A plain safetensors load
-# leaves small tensors where the file has them (4, 24, 36, 56 modulo 64); a dtype-converted
-# one has them where the allocator put them (0). Storages referenced in a source file keep
-# the file's offsets, hence its alignment, by themselves.
+# Note [Addresses modulo 64]: a storage copied into a segment starts at an offset that is, modulo
+# 64, its address in the loader's result; segments are mapped at page boundaries, so a warm
+# tensor's ``data_ptr() % 64`` is the plain load's. torch's CPU kernels pick vectorised or scalar
+# paths, and split reductions, by alignment: the same bytes elsewhere give outputs that differ in
+# the last bits (a small UNet's by up to 5e-7). Storages in a source file keep its offsets.
 #: PickleBuffers smaller than this stay in the stream.
 MIN_OUT_OF_BAND = 64 * 1024
 
@@ -65,9 +53,8 @@ def _align(n: int) -> int:
 
 @dataclass
 class WritePlan:
-    """Where each storage goes. Segment index 0 is the new segment; 1.. are references:
-    cached segments, or source files whose unchanged regions storages are (``sources.py``).
-    """
+    """Where each storage goes. Segment 0 is the new one; 1.. are references: cached segments,
+    or source files whose unchanged regions storages are (``sources.py``)."""
 
     size: int = 0
     items: list[tuple[int, Any]] = field(default_factory=list)
@@ -87,8 +74,7 @@ class WritePlan:
     classes: list[Any] = field(default_factory=list)
 
     def place(self, data: Any, nbytes: int, phase: int = 0) -> int:
-        """Put ``nbytes`` of ``data`` at the next offset that is ``phase`` modulo
-        ``ALIGN`` (Note [Addresses modulo 64])."""
+        """Put ``nbytes`` of ``data`` at the next offset that is ``phase`` modulo ``ALIGN``."""
         offset = _align(self.size) + phase
         self.items.append((offset, data))
         self.size = offset + nbytes
@@ -111,8 +97,7 @@ class WritePlan:
         nbytes = int(untyped.nbytes())
         device = str(untyped.device)
         ptr = int(untyped.data_ptr())
-        # An empty storage has no address to tell it by: by identity, and each at an
-        # offset of its own, so that the rebuild (by location) tells them apart too.
+        # An empty storage has no address: by identity, each at its own offset.
         memo = (ptr, nbytes, device) if nbytes else (-int(untyped._cdata), 0, device)
         if memo in self.seen:
             return self.seen[memo]
@@ -121,10 +106,9 @@ class WritePlan:
             untyped = untyped.cpu()  # cached on host, moved back on load
             ptr = int(untyped.data_ptr())
             self.keep_alive.append(untyped)
-        # Note [Borrowed storage views]: ``buf`` is a raw view of the storage's memory with
-        # no reference to the storage. It stays valid for the whole store only because the
-        # caller (``load``) still holds ``result``, which holds every CPU storage, until the
-        # segment is written; a storage copied off a device is held by ``keep_alive``.
+        # Note [Borrowed storage views]: ``buf`` views the storage's memory without a reference
+        # to it; valid because ``load`` holds ``result`` (every CPU storage) until the segment is
+        # written, and ``keep_alive`` holds a storage copied off a device.
         buf = (ctypes.c_char * nbytes).from_address(ptr) if nbytes else b""
         where = find_mapping(ptr, nbytes) if nbytes and device == "cpu" else None
         source = (self.sources.find(ptr, nbytes) if where is None and nbytes
@@ -151,19 +135,14 @@ class WritePlan:
 
 
 def reduce_tensor(t: Any, is_param: bool, plan: WritePlan) -> Any:
-    """A lean reduction for plain CPU tensors and parameters (see ``rebuild_tensor``).
-
-    torch's own reduction costs ~10x more to rebuild (fake-mode detection, hook dicts);
-    everything it handles that this does not (other layouts, devices, autograd history,
-    conjugate views, subclasses) goes through torch's reduction unchanged. The storage
-    is placed here and named by its location, in the same call (Note [One call per
-    tensor]).
-    """
+    """A lean reduction for plain CPU tensors and parameters (torch's costs ~10x more to
+    rebuild); anything else (layouts, devices, autograd history, conjugate views, subclasses)
+    goes through torch's reduction. The storage is placed in the same call (Note [One call per
+    tensor])."""
     import torch
 
     if t.grad_fn is not None:
-        # A tensor with autograd history (the old ``weight_norm``'s ``weight``, a view of a
-        # parameter) would come back a leaf, without its ``grad_fn``: not cached.
+        # It would come back a leaf without its ``grad_fn`` (old ``weight_norm``, a view).
         raise NotCacheable(f"it holds a tensor with autograd history "
                            f"({type(t.grad_fn).__name__}), which a rebuild would make a leaf")
     if (t.layout is not torch.strided or t.device.type != "cpu" or t.is_quantized
@@ -171,8 +150,7 @@ def reduce_tensor(t: Any, is_param: bool, plan: WritePlan) -> Any:
             or getattr(t, "_backward_hooks", None) or t.is_nested):
         if (t.layout is not torch.strided and t.requires_grad and t.grad_fn is None
                 and not is_param):
-            # torch's own reduction of a sparse tensor drops requires_grad (a
-            # Parameter's keeps it): the flag and the attributes go beside it.
+            # torch's reduction of a sparse tensor drops requires_grad (a Parameter's keeps it).
             return (_requiring_grad, (t.detach(), dict(t.__dict__) or None))
         if t.grad is not None:  # torch's own reduction drops ``.grad``: set it after
             reduced = t.__reduce_ex__(5)
@@ -215,18 +193,13 @@ def _row_major(size: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-# Note [One call per tensor]: a warm load of an SD UNet rebuilds 686 tensors, and the
-# fp32 -> fp16 benchmark target leaves ~15 ms for the whole load. So a plain CPU tensor
-# is one call in the stream, which makes its storage and the tensor over it: not a tensor
-# call taking a storage call's result (one pickle REDUCE and one Python call fewer). Most
-# tensors are row-major over the whole of their storage: ``rebuild_whole`` makes them as
-# a numpy array over the mapped bytes, in their shape, and the tensor over it, with no
-# layout to pass or set (~4 µs a tensor, against ~10 µs); a dtype numpy lacks (bfloat16,
-# float8) and every other layout go through ``rebuild_tensor`` (``set_``). The storage
-# is looked up by its location (segment, offset, size) in the stream's memo, the same
-# one ``_storage`` uses, so tensors that share a storage, and a storage pickled on its
-# own, still come back as one storage object. The torch functions are bound once per
-# stream (``_Frame``), not imported per call.
+# Note [One call per tensor]: a warm SD UNet rebuilds 686 tensors within ~15 ms in all, so a
+# plain CPU tensor is one call that makes its storage and the tensor over it (one REDUCE and one
+# Python call fewer than tensor-of-storage). A row-major tensor over its whole storage is a numpy
+# array over the mapped bytes, in its shape, and the tensor over it (``rebuild_whole``, ~4 µs
+# against ~10 µs); dtypes numpy lacks (bfloat16, float8) and other layouts use ``rebuild_tensor``
+# (``set_``). Storages are memoized by location (segment, offset, size), as in ``_storage``, so
+# shared storages stay shared. Torch functions are bound once per stream (``_Frame``).
 def rebuild_whole(seg: int, offset: int, nbytes: int, size: tuple[int, ...], dtype: Any,
                   requires_grad: bool, is_param: bool, state: dict[str, Any] | None) -> Any:
     frame = _frame()
@@ -247,8 +220,7 @@ def rebuild_tensor(seg: int, offset: int, nbytes: int, storage_offset: int,
     key = (seg, offset, nbytes)
     untyped = frame.memo.get(key)
     if untyped is None and nbytes and nbytes % dtype.itemsize == 0:
-        # The storage's first tensor is made over the bytes in its own dtype, which
-        # saves a call; set_ then gives it its layout.
+        # The storage's first tensor is made over the bytes in its dtype; set_ gives the layout.
         t = frame.frombuffer(frame.views[seg][offset:offset + nbytes], dtype=dtype)
         untyped = frame.memo[key] = t.untyped_storage()
     else:
@@ -259,7 +231,7 @@ def rebuild_tensor(seg: int, offset: int, nbytes: int, storage_offset: int,
     return _finish(frame, t, requires_grad, is_param, state)
 
 
-#: The key of a tensor's ``.grad`` in the state ``reduce_tensor`` passes (not a name).
+#: The key of a tensor's ``.grad`` in the state ``reduce_tensor`` passes (no attribute name).
 _GRAD = "\x00grad"
 
 
@@ -277,22 +249,15 @@ def _finish(frame: _Frame, t: Any, requires_grad: bool, is_param: bool,
     return t
 
 
-# Note [Modules in one call]: pickled the default way, every ``nn.Module`` carries the
-# eleven empty ``OrderedDict`` hook tables that ``Module.__init__`` makes, each a global
-# lookup, a call and a memo entry in the stream: for an SD UNet (709 modules) a 165 KB
-# stream with 9,200 calls. A module whose hook tables are all empty is pickled as the
-# object (``__newobj__``, so it is in the memo before its state, and references back to
-# it still resolve) plus the six other standard fields and its own attributes (95 KB,
-# 1,600 calls); ``_set_module_state`` makes fresh empty tables and gives ``__setstate__``
-# the same dict, in the same key order, that the default pickling would pass (for
-# ``Module.__setstate__`` on an empty instance it sets that dict as the instance's, which
-# is what ``__setstate__`` would leave). The tables must still be made (1 ms of the
-# UNet's rebuild); what goes is the stream's work around them and the Python
-# ``__setstate__``. (The same setter in C, tried, was no faster.) Only for classes that
-# do not customise pickling, only while torch's ``Module.__init__`` makes exactly the
-# fields below (checked at run time), and ``_compiled_call_impl`` is dropped as
-# ``Module.__getstate__`` drops it. Anything else (a hook registered, any table not
-# empty, an unknown layout) is pickled the default way.
+# Note [Modules in one call]: pickled the default way, every ``nn.Module`` carries the eleven
+# empty hook tables ``Module.__init__`` makes, each a global, a call and a memo entry (an SD UNet:
+# 165 KB, 9,200 calls). A module whose hook tables are all empty is pickled as the object
+# (``__newobj__``: in the memo before its state, so back references resolve) plus the six other
+# standard fields and its own attributes (95 KB, 1,600 calls); ``_set_module_state`` makes fresh
+# tables and passes ``__setstate__`` the dict, in the key order, the default would. Only for
+# classes that do not customise pickling, while ``Module.__init__`` makes exactly the fields below
+# (checked at run time); ``_compiled_call_impl`` is dropped as ``Module.__getstate__`` drops it.
+# Anything else (a hook, a non-empty table, an unknown layout) is pickled the default way.
 _MODULE_FIELDS = (
     "training", "_parameters", "_buffers", "_non_persistent_buffers_set",
     "_backward_pre_hooks", "_backward_hooks", "_is_full_backward_hook", "_forward_hooks",
@@ -357,18 +322,15 @@ def _set_module_state(module: Any, compact: tuple[Any, ...]) -> None:
     if rest:
         state.update(rest)
     if type(module).__setstate__ is _module_setstate() and not module.__dict__:
-        # What Module.__setstate__ would do (update an empty __dict__, then add the
-        # fields it lacks: none), without copying the dict.
+        # What Module.__setstate__ would do to an empty __dict__, without copying the dict.
         object.__setattr__(module, "__dict__", state)
     else:
         module.__setstate__(state)
 
 
-# Note [Modules with slots]: ``Module.__getstate__`` returns the instance's ``__dict__``,
-# so a module class with ``__slots__`` loses its slot values in torch's own pickling (a
-# warm hit would raise AttributeError where the plain load has the value). Such a module,
-# if its class does not customise ``__reduce__``, is pickled as the object, what its
-# ``__getstate__`` gives, and its slots that are set.
+# Note [Modules with slots]: ``Module.__getstate__`` returns ``__dict__``, so torch's pickling
+# loses slot values (a warm hit would raise AttributeError). Such a module, unless its class
+# customises ``__reduce__``, is pickled as the object, its ``__getstate__`` and its set slots.
 _SLOTS: dict[type, tuple[str, ...]] = {}
 
 
@@ -409,9 +371,8 @@ def reduce_slotted_module(module: Any) -> Any:
             _set_slotted_module_state)
 
 
-# Note [Strided arrays]: numpy pickles an array that is neither C- nor F-contiguous (a
-# ``[::2]`` view) as a contiguous copy: its strides change. Such an array is pickled as a
-# copy of the bytes it spans and rebuilt as a view of them with its own strides.
+# Note [Strided arrays]: numpy pickles a non-contiguous array (a ``[::2]`` view) as a contiguous
+# copy; it goes as the bytes it spans instead, rebuilt as a view with its own strides.
 def reduce_strided_array(a: Any) -> Any:
     import numpy
 
@@ -460,13 +421,11 @@ def _module_setstate() -> Any:
     return torch.nn.Module.__setstate__
 
 
-# Note [Attributes in their order]: ``OrderedDict.__reduce__`` rebuilds an instance by
-# calling its class, then sets the saved attributes. A subclass whose ``__init__`` sets an
-# attribute of its own (diffusers' ``FrozenDict``, every diffusers config, sets
-# ``__frozen`` last) then has that attribute first: ``vars(config)`` comes back in another
-# order than the plain load's. Such objects (OrderedDict subclasses with an attribute
-# dict and the default reduction) are made without ``__init__`` (``__new__``, as pickle
-# makes plain objects), get their items, then exactly the saved attribute dict.
+# Note [Attributes in their order]: ``OrderedDict.__reduce__`` calls the class, then sets the
+# saved attributes; a subclass whose ``__init__`` sets its own (diffusers' ``FrozenDict`` sets
+# ``__frozen`` last) then comes back in another ``vars()`` order. Such objects (OrderedDict
+# subclasses with a ``__dict__`` and the default reduction) are made by ``__new__``, get their
+# items, then exactly the saved attribute dict.
 def _ordered_with_attributes(cls: type) -> bool:
     return (issubclass(cls, OrderedDict) and cls is not OrderedDict
             and cls.__reduce__ is OrderedDict.__reduce__ and cls.__dictoffset__ != 0
@@ -489,19 +448,14 @@ def _has_hooks(module: Any) -> bool:
 
 
 # Note [Hook ids]: a hook's id is its handle's number from torch's process-wide counter
-# (``RemovableHandle.next_id``), and the key of the hook in every table of its module. A
-# plain load in a fresh process numbers the hooks it registers from that process's
-# counter; a rebuilt one would keep the numbers of the process that stored it, while the
-# counter here may be lower. The user's next ``register_forward_hook`` would then get an
-# id the model already uses: it silently replaces that hook, and removing it removes
-# both. So the counter is read before and after the original load (``taken``, kept in the
-# entry), and a rebuilt stream with hooks is renumbered: an id the load took, ``before +
-# i``, becomes ``start + i`` where ``start`` is this process's counter, in every hook table
-# (in place: handles hold weak references to the tables) and on every handle, and the
-# counter ends where the plain load would leave it. Keys the load did not take from the
-# counter stay as they are. Streams without hooks (nearly all) skip the walk
-# (``WritePlan.hooks``); verify mode sets the counter back before its plain load, so both
-# take the same ids.
+# (``RemovableHandle.next_id``) and its key in its module's tables. A plain load numbers hooks
+# from this process's counter; a rebuilt one would keep the storing process's numbers, and the
+# user's next ``register_forward_hook`` could get an id already used (it replaces that hook, and
+# removing it removes both). So the counter is read before and after the original load
+# (``taken``, in the entry) and a rebuilt stream with hooks is renumbered: ``before + i`` becomes
+# ``start + i`` in every table (in place: handles hold weak references to them) and handle, and
+# the counter ends where a plain load would leave it; other keys stay. Streams without hooks skip
+# the walk (``WritePlan.hooks``); verify mode sets the counter back before its plain load.
 def hook_counter() -> int:
     """torch's hook id counter now (0 before torch is imported: nothing took an id)."""
     hooks = sys.modules.get("torch.utils.hooks")
@@ -516,14 +470,9 @@ def set_hook_counter(value: int) -> None:
 
 
 def renumber_hooks(obj: Any, start: int, taken: tuple[int, int]) -> None:
-    """Give the hooks of a rebuilt object the ids a plain load here would give them.
-
-    ``start`` is this process's counter before the stream was unpickled (unpickling a
-    handle moves it); ``taken`` the counter before and after the original load, in the
-    process that stored it: an id ``i`` it took becomes ``start + i - before``, and the
-    counter ends at ``start + after - before``, as after a plain load that registers the
-    same hooks in the same order. Other keys (not taken from the counter by that load)
-    stay as they are, as they would in a plain load."""
+    """Give a rebuilt object's hooks the ids a plain load here would (Note [Hook ids]):
+    ``start`` is this process's counter before unpickling, ``taken`` the storing process's
+    before and after its load."""
     import torch
     from torch.utils.hooks import RemovableHandle
 
@@ -570,22 +519,16 @@ _BPE_OPTIONS = ("dropout", "unk_token", "continuing_subword_prefix", "end_of_wor
 
 
 def reduce_tokenizer(tok: Any) -> Any:
-    """A BPE ``tokenizers.Tokenizer`` as its pipeline JSON plus vocab and merges.
-
-    The library's own pickling parses one big JSON document (0.2 s for CLIP, more than
-    ``from_pretrained``); building the BPE model from a dict and a list takes a third of
-    that. Anything but a plain BPE model keeps the library's reduction.
-    """
+    """A BPE ``tokenizers.Tokenizer`` as its pipeline JSON plus vocab and merges: the library's
+    pickling parses one big JSON (0.2 s for CLIP); this takes a third. Other models keep it."""
     state = json.loads(tok.to_str())
     model = state.get("model", {})
     if model.get("type") != "BPE" or not set(model) <= {"type", "vocab", "merges",
                                                          *_BPE_OPTIONS}:
         return NotImplemented
     vocab = model["vocab"]
-    # The added tokens must find their own ids while the stub loads: the library gives an
-    # added token that its model lacks the next id after the *stub's* vocabulary, so the
-    # stub's vocabulary holds every added token at its id (chat markers such as
-    # <|im_start|> are outside the base vocabulary), and the unknown token.
+    # Added tokens get the next id after the *stub's* vocabulary, so the stub holds every added
+    # token (chat markers are outside the base vocabulary) and the unknown token at its id.
     added = {t["content"]: t["id"] for t in state.get("added_tokens", [])}
     unk = model.get("unk_token")
     stub_vocab = {**({unk: vocab[unk]} if unk in vocab else {}), **added}
@@ -595,9 +538,7 @@ def reduce_tokenizer(tok: Any) -> Any:
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1))
               for m in model["merges"]]
     options = {k: model[k] for k in _BPE_OPTIONS if model.get(k) is not None}
-    # Attributes set on the object itself come back too: transformers' CLIPTokenizer
-    # replaces the backend's ``decode`` with a wrapper (a local function: the stream then
-    # goes through dill, which pickles it by value).
+    # Attributes set on the object come back too (CLIPTokenizer wraps ``decode``: dill).
     attributes = dict(getattr(tok, "__dict__", None) or {})
     if not attributes:
         return (rebuild_tokenizer, (json.dumps(stub), vocab, merges, options))
@@ -606,8 +547,7 @@ def reduce_tokenizer(tok: Any) -> Any:
 
 
 def _update_attributes(obj: Any, attributes: dict[str, Any]) -> None:
-    """Set attributes saved from an object's dict (its own ``__setstate__`` expects
-    something else, as ``tokenizers.Tokenizer``'s expects its JSON)."""
+    """Set saved attributes (the object's ``__setstate__`` expects something else)."""
     obj.__dict__.update(attributes)
 
 
@@ -621,12 +561,9 @@ def rebuild_tokenizer(stub: str, vocab: dict[str, int], merges: list[tuple[str, 
     return tok
 
 
-# Note [Hashes of strings]: transformers' GenerationConfig records ``hash(self)`` (a hash
-# of its JSON text) when it is loaded, and later compares it with ``hash(self)`` to tell
-# whether the user changed it (``generate`` then acts differently). String hashes are
-# salted per process, so a recorded hash unpickled in another process never matches: a
-# warm hit would look modified. An object whose recorded hash was current when it was
-# pickled gets it recomputed when it is rebuilt, as a plain load would compute it.
+# Note [Hashes of strings]: transformers' GenerationConfig records ``hash(self)`` at load and
+# compares it later to tell whether the user changed it. String hashes are salted per process,
+# so a rebuilt one would look modified: a hash that was current when pickled is recomputed.
 def reduce_rehashed(obj: Any, state: dict[str, Any]) -> tuple[Any, ...]:
     current = state.get("_original_object_hash") == _safe_hash(obj)
     return (rebuild_rehashed, (type(obj), dict(state), current))
@@ -652,20 +589,15 @@ def _make_pickler(base: type, file: io.BytesIO, plan: WritePlan,
     import torch
     from torch.utils.hooks import RemovableHandle
 
-    # type -> "typed" or "untyped" (storages), "module" (Note [Modules in one call]),
-    # "hooks" (other modules and hook handles: Note [Hook ids]), "code", ""
+    # type -> kind of reduction, looked up once per type (Note [The pickler's hot path])
     kinds: dict[type, str] = {}
     compact_modules = _module_layout_known()
 
     class StoragePickler(base):  # type: ignore[misc]
-        # Note [The pickler's hot path]: a pickler with a ``persistent_id`` method calls
-        # it for every object of the graph (70,000 for an SD UNet: every dict key, int
-        # and string of every module), against 686 storages. ``reducer_override`` is
-        # not called for None, bools, ints, floats, strs, bytes, exact dicts, lists,
-        # tuples and sets, nor for an object already in the memo: 9,000 calls. So
-        # storages and components are reduced here, to calls of ``_storage`` and
-        # ``_component`` that the unpickler resolves (``_Loading``), and everything is
-        # decided by the object's type, looked up once per type.
+        # Note [The pickler's hot path]: ``persistent_id`` would be called for every object
+        # (70,000 for an SD UNet, against 686 storages); ``reducer_override`` is not called for
+        # builtin scalars and exact containers, nor memoized objects: 9,000 calls. So storages
+        # and components are reduced here, decided by the object's type.
         def reducer_override(self, obj: Any) -> Any:
             if components:
                 key = components.get(id(obj))
@@ -725,17 +657,13 @@ def _make_pickler(base: type, file: io.BytesIO, plan: WritePlan,
 
 
 # Note [Components by reference]: a component passed to the call that came from the cache
-# (``vae=vae``) is pickled as a reference to its key, and unpickled as the very object the
-# caller passed, so ``pipe.vae is vae`` holds as it does without the cache. A hit always
-# has those objects at hand: their keys are part of the call's key.
+# (``vae=vae``) is pickled as its key and unpickled as the object the caller passed, so
+# ``pipe.vae is vae`` holds; a hit has them at hand, their keys are part of the call's key.
 def dump(obj: Any, components: dict[int, str] | None = None, *,
          sources: SourceMap | None = None,
          exclude: frozenset[str] = frozenset()) -> tuple[bytes, WritePlan, str]:
-    """Pickle ``obj``; returns the stream, the plan of its bytes, and the pickler used.
-
-    ``components`` maps ``id()`` of objects to pickle by reference to their cache key;
-    ``sources``, when given, lets storages that are unchanged file regions be referenced
-    (except files in ``exclude``).
+    """Pickle ``obj``: the stream, the plan of its bytes, and the pickler used. ``components``:
+    ``id()`` -> cache key, by reference; ``sources``: file regions to reference, bar ``exclude``.
     """
     errors = []
     for kind in ("pickle", "dill"):
@@ -747,12 +675,9 @@ def dump(obj: Any, components: dict[int, str] | None = None, *,
             if kind == "pickle":
                 pickler.dump(obj)
             else:
-                # Note [Classes by reference]: dill would pickle a class it cannot find by
-                # name (one defined inside a function) by value; a hit would then rebuild
-                # a copy of the class and ``isinstance(model, TinyNet)`` would be False.
-                # Classes go by reference, as with plain pickle: such a result cannot be
-                # pickled, and is returned uncached. Functions and lambdas still go by
-                # value, which keeps their behaviour.
+                # Note [Classes by reference]: dill would pickle a class defined in a function
+                # by value, and a hit's ``isinstance(model, TinyNet)`` would be False. Classes go
+                # by reference as in pickle (such a result is uncached); functions by value.
                 pickler._byref = True
                 with warnings.catch_warnings():
                     # dill warns about each class it cannot find by name, then fails on it
@@ -787,9 +712,8 @@ def _numpy_dtypes() -> dict[Any, Any]:
 
 
 class _Frame:
-    """One stream being unpickled: a view of each of its mapped segments, the storages
-    rebuilt so far by location, the components passed to the call, and the torch
-    functions the rebuild calls (Note [One call per tensor])."""
+    """One stream being unpickled: views of its mapped segments, storages by location, the
+    call's components, and bound torch functions (Note [One call per tensor])."""
 
     def __init__(self, mappings: list[Mapping], components: dict[str, Any]) -> None:
         import torch
@@ -832,8 +756,7 @@ class _Frame:
 
 
 class _Loading(threading.local):
-    """The streams being unpickled in this thread (a stack: one at a time per thread, but
-    a rebuild may run inside another's)."""
+    """The streams being unpickled in this thread (a rebuild may run inside another's)."""
 
     def __init__(self) -> None:
         self.stack: list[_Frame] = []
@@ -891,15 +814,10 @@ def load_stream(stream: memoryview, kind: str, mappings: list[Mapping],
                 hooks: tuple[int, int] | None = None) -> Any:
     """Rebuild an object from its stream and mapped segments (and passed components).
 
-    Note [No collection while rebuilding]: the cyclic garbage collector is off while the
-    stream is unpickled. An SD UNet's stream makes ~25,000 container objects (modules,
-    their dicts and hook tables, tensors); each allocation counts towards the young
-    generation's threshold (700), so the collector ran ~25 times per rebuild, walking
-    objects that are all still in use: 1.5-2 ms of an 11-13 ms rebuild, and a full
-    collection (the whole heap of torch and diffusers) could fall into it as well.
-    Nothing the unpickler makes is cyclic garbage (temporaries go by reference counts),
-    so nothing is kept longer; the collector is switched back on, if it was on, before
-    returning, and counts the new objects at its next run as it would have.
+    Note [No collection while rebuilding]: the cyclic collector is off while unpickling. An SD
+    UNet makes ~25,000 containers, so the young generation's threshold ran it ~25 times per
+    rebuild over live objects (1.5-2 ms of 11-13 ms, or a full collection). Nothing made is
+    cyclic garbage; the collector is switched back on, if it was, before returning.
     """
     frame = _Frame(mappings, components or {})
     buffers = [frame.views[s][o:o + n] for s, o, n in buffer_locations]
@@ -920,9 +838,8 @@ def load_stream(stream: memoryview, kind: str, mappings: list[Mapping],
         frame.release()
 
 
-# Note [Dynamic modules]: diffusers and transformers import code shipped with a model
-# (custom pipelines, trust_remote_code) as top-level packages living in HF_MODULES_CACHE.
-# A fresh process has not imported them yet: put that directory on sys.path first.
+# Note [Dynamic modules]: diffusers and transformers import a model's own code (custom
+# pipelines, trust_remote_code) as top-level packages in HF_MODULES_CACHE: put it on sys.path.
 _DYNAMIC_PACKAGES = {"diffusers_modules", "transformers_modules"}
 
 

@@ -1,21 +1,12 @@
 """The user's own code in cache keys: which code is not a regular installed distribution's,
 and a digest of it.
 
-A key holds the versions of the libraries (``keys._versions``), which say what their code
-is. Nothing says so for the user's code: a model class in the notebook's folder, a loader in
-``__main__``, a notebook cell, an HF dynamic module, or a library installed in editable mode
-(``pip install -e``: its dist-info version stays while its files change). Editing a model
-class and restarting the kernel is the loop this product serves, so such code enters by a
-digest of itself (Note [Code in the key]):
-
-- :func:`code_of` the loader (the callable, its class and that class's MRO), for the key;
-- :func:`graph_code` the classes and functions the pickler met in the result (and their
-  MROs), stored with the entry; :func:`changed` compares them with the code of this
-  process when the entry is hit.
-
-Code is *regular* when its module's file lies under the standard library or a
-site-packages/dist-packages folder and not under the root of an editable install
-(Note [Regular code]); regular code costs a cached dictionary lookup per class.
+Library versions say what library code is; nothing says what the user's code is (a model class
+in the notebook's folder, ``__main__``, a cell, an HF dynamic module, an editable install), and
+editing a model class then restarting is the loop this serves. So it enters by a digest
+(Note [Code in the key]): :func:`code_of` the loader's, for the key; :func:`graph_code` the
+classes and functions in the result, stored with the entry, compared on a hit by :func:`changed`.
+Regular code (Note [Regular code]) costs a cached dictionary lookup per class.
 """
 
 from __future__ import annotations
@@ -45,25 +36,19 @@ __all__ = ["code_of", "graph_code", "changed", "is_regular_file", "file_digest",
 _DIGEST = 32
 
 
-# Note [Regular code]: a module file is regular when the longest root it lies under is a
-# regular one: the standard library (``<prefix>/lib/pythonX.Y`` of every prefix, as
-# sysconfig's stdlib and platstdlib), site-packages and dist-packages folders (site's, and
-# every folder of that name on ``sys.path``). Editable installs are roots of
-# their own, not regular: the project folder named by a dist-info's ``direct_url.json``
-# (PEP 610/660, ``"dir_info": {"editable": true}``), the target of a ``.egg-link``, the
-# folders in ``__editable__*.pth`` files and the ``MAPPING`` of setuptools' editable
-# finders. Longest wins both ways: this repository is an editable install whose root holds
-# ``.venv``, whose site-packages stays regular; and an editable root inside a regular
-# folder is user code. Only the site folders on ``sys.path`` are searched for editable
-# installs (installers write their metadata there), and a dist-info's direct_url.json is
-# read only when a ``.pth`` file is named after it: ~0.3 ms per process in all.
-# Everything outside every root (the notebook's folder, a script's, HF_MODULES_CACHE) is
-# user code too. The roots are computed once per process; paths are compared resolved.
+# Note [Regular code]: a module file is regular when the longest root it lies under is regular:
+# the standard library (sysconfig's stdlib and platstdlib of every prefix), site-packages and
+# dist-packages folders (site's, and any on ``sys.path``). Editable installs are roots of their
+# own, not regular: a dist-info's ``direct_url.json`` editable folder (PEP 610/660), an
+# ``.egg-link`` target, ``__editable__*.pth`` folders, setuptools' editable finders' ``MAPPING``.
+# Longest wins both ways: this repository is an editable root holding ``.venv``, whose
+# site-packages stays regular. Only the site folders on ``sys.path`` are searched, and
+# direct_url.json only read when a ``.pth`` is named after it (~0.3 ms in all). Everything outside
+# every root (the notebook's folder, HF_MODULES_CACHE) is user code. Computed once per process.
 @functools.lru_cache(maxsize=1)
 def _roots() -> tuple[tuple[str, bool], ...]:
     """(root + separator, regular?) pairs, longest first."""
-    # sysconfig's stdlib and platstdlib, without ``sysconfig.get_paths()``: its first call
-    # in a process imports ``_sysconfigdata`` (~5 ms).
+    # sysconfig's paths without ``sysconfig.get_paths()`` (which imports ``_sysconfigdata``).
     version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
     regular = {os.path.dirname(os.__file__), *(
         os.path.join(prefix, lib, version)
@@ -101,9 +86,8 @@ def _editable_roots(entries: list[str]) -> list[str]:
             names = os.listdir(entry)
         except OSError:
             continue
-        # An editable wheel works through a .pth file (a path, or an import of its
-        # finder), named after the project by every backend: only those projects'
-        # direct_url.json is read, not one file per installed distribution (~1 ms).
+        # An editable wheel works through a .pth file named after the project: only those
+        # projects' direct_url.json is read, not one per distribution (~1 ms).
         pths = "|".join(_canonical(n) for n in names if n.endswith(".pth"))
         for name in names:
             if not name.endswith(_EDITABLE_SUFFIXES) or (
@@ -165,8 +149,7 @@ def _finder_mapping(path: str) -> list[str]:
 
 @functools.lru_cache(maxsize=4096)
 def is_regular_file(path: str) -> bool:
-    """Whether the module file ``path`` belongs to a regular installed distribution or
-    the standard library (Note [Regular code])."""
+    """Whether module file ``path`` is regular (Note [Regular code])."""
     real = os.path.realpath(path)
     for root, regular in _roots():
         if real.startswith(root):
@@ -178,10 +161,8 @@ def is_regular_file(path: str) -> bool:
 _packages: dict[str, tuple[str, bool]] = {}
 
 
-# Note [One decision per package]: resolving a path costs ~25 µs (a ``lstat`` per
-# component); a diffusers UNet's MRO spans eight modules of two packages. A module whose
-# file lies in its top-level package's folder gets that package's decision; only other
-# files are resolved one by one.
+# Note [One decision per package]: resolving a path costs ~25 µs (an ``lstat`` per component);
+# a module whose file lies in its top-level package's folder gets that package's decision.
 def _regular_module_file(name: str, file: str) -> bool:
     top = name.partition(".")[0]
     known = _packages.get(top)
@@ -221,8 +202,7 @@ _file_digests: dict[tuple[str, int, int, int, int, int], str] = {}
 
 
 def file_digest(path: str) -> str:
-    """sha256 of a file's content, cached per process by its (path, device, inode, size,
-    mtime_ns, ctime_ns)."""
+    """sha256 of a file's content, cached per process by path and identity."""
     st = os.stat(path)
     sig = (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     digest = _file_digests.get(sig)
@@ -234,8 +214,8 @@ def file_digest(path: str) -> str:
 
 @functools.lru_cache(maxsize=1)
 def _process_start_ns() -> int:
-    """When this process started (``/proc``; 0 where that cannot be read). Rounded down:
-    a file changed just before the start may look changed after it, never the reverse."""
+    """When this process started (``/proc``; 0 if unreadable), rounded down: a file changed just
+    before may look changed after, never the reverse."""
     try:
         with open("/proc/self/stat", "rb") as f:
             ticks = int(f.read().rpartition(b")")[2].split()[19])
@@ -246,25 +226,18 @@ def _process_start_ns() -> int:
         return 0
 
 
-# Read when this module is imported (~30 µs), before the load it serves: a process forked
-# later to store a result in the background (``background``) runs its parent's code and
-# must judge files by its parent's start, not by the fork's.
+# Read at import, before the load: a background store's fork judges files by its parent's start.
 _process_start_ns()
 
 
-# Note [A file changed under a running process]: the digest of a module file is of the
-# file as it is on disk, but the process runs the code it imported. When the user edits
-# a module after this process imported it (a notebook kernel left running, no
-# ``importlib.reload``), a miss would load with the old code and store the result under
-# the new file's digest: every later process would get the old code's object. So a user
-# file changed (ctime) after this process started is checked against the code in memory:
-# the file is compiled, and every function and method the module defines must be one of
-# the compiled code objects (code objects compare by bytecode, constants, names and line
-# numbers). A module written and then first imported during the session (``%%writefile``)
-# passes; one edited after its import raises NotCacheable (the load runs uncached, a
-# restart caches it again). Class-level constants are not code objects and are not
-# compared; HF_MODULES_CACHE is exempt, as transformers re-executes a dynamic module when
-# its file changes. Files older than the process cost nothing here.
+# Note [A file changed under a running process]: a module file's digest is of the file on disk,
+# but the process runs what it imported. If the user edits a module after its import, a miss
+# would store the old code's object under the new file's digest. So a user file changed (ctime)
+# after this process started is compiled, and every function and method the module defines must
+# be one of its code objects (they compare by bytecode, constants, names, lines). A module first
+# written then imported in the session (``%%writefile``) passes; one edited after its import
+# raises NotCacheable (uncached until a restart). Class constants are not compared;
+# HF_MODULES_CACHE is exempt (transformers re-executes a changed dynamic module).
 _checked_files: set[tuple[str, int, int, int]] = set()
 
 
@@ -357,11 +330,9 @@ def _inner_functions(func: types.FunctionType) -> list[types.FunctionType]:
 
 
 def object_digest(obj: Any) -> str | None:
-    """The digest of a class's or function's code; ``None`` when it is regular code.
-
-    Raises :class:`NotCacheable` when its module's file changed after this process
-    imported it (Note [A file changed under a running process]).
-    """
+    """The digest of a class's or function's code; ``None`` for regular code. Raises
+    :class:`NotCacheable` when its file changed after its import (Note [A file changed under a
+    running process])."""
     name = getattr(obj, "__module__", None) or ""
     if name.partition(".")[0] == "overmind_lab":
         return None  # our own reducers: FORMAT_VERSION says what they are
@@ -383,15 +354,11 @@ def _digest(obj: Any, module: types.ModuleType | None, file: str | None) -> str:
     return h.hexdigest()[:_DIGEST]
 
 
-# Note [Code without a file]: ``__main__`` of ``python -c`` and a notebook's cells have no
-# module file. A function enters by its source (``inspect.getsource``: linecache holds
-# IPython's cells), else by its code objects (bytecode, names, constants, recursively:
-# ``python -c``'s source is not kept), and its default values; a class by its name, its
-# bases and every member of its ``__dict__`` in name order: functions as above (also
-# behind staticmethod, classmethod, property), nested classes recursively, plain values
-# by ``repr`` and other values by their type. ``marshal`` is not used: its output depends
-# on reference counts. Two scripts that define different classes of the same name get
-# different digests.
+# Note [Code without a file]: ``python -c``'s ``__main__`` and notebook cells have no module
+# file. A function enters by its source (linecache holds IPython's cells), else its code objects
+# recursively, and its defaults; a class by its name, bases and its ``__dict__`` in name order
+# (functions as above, also behind staticmethod, classmethod, property; nested classes; plain
+# values by ``repr``, others by type). Not ``marshal``: its output depends on reference counts.
 def _hash_object(obj: Any, h: Any, seen: set[int]) -> None:
     if id(obj) in seen:
         return
@@ -483,9 +450,8 @@ def _digests(items: Iterable[Any]) -> dict[str, str]:
 
 
 def code_of(fn: Callable[..., Any]) -> dict[str, str]:
-    """The user's code among the loader: ``fn`` itself, the class a classmethod is bound
-    to and that class's MRO, or ``fn``'s MRO when it is a class. ``{"module:qualname":
-    digest}`` of the items that are not regular code; ``{}`` for a library's loader."""
+    """``{"module:qualname": digest}`` of the user's code among the loader: ``fn``, the class a
+    classmethod is bound to and its MRO, or ``fn``'s MRO; ``{}`` for a library's loader."""
     owner = getattr(fn, "__self__", None)
     func = getattr(fn, "__func__", fn)
     anchor = owner if isinstance(owner, type) else func
@@ -503,17 +469,15 @@ def code_of(fn: Callable[..., Any]) -> dict[str, str]:
     return out
 
 
-#: class (or function) -> the function of a loader found to be all regular code: a
-#: repeated key skips the MRO walk (~10 µs). Whether a module is regular does not change
-#: in a process, nor does a class's MRO; the user's code is digested every time.
+#: class (or function) -> loader function found all regular: a repeated key skips the MRO
+#: walk (~10 µs); regularity and MROs do not change in a process.
 _regular_loaders: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def _guarded(digests: Callable[[list[Any]], dict[str, str]],
              items: list[Any]) -> dict[str, str]:
-    """Note [Digests never fail a load]: a module file deleted or unreadable since its
-    import, a source inspect cannot parse: whatever goes wrong makes the load uncached
-    (:class:`NotCacheable`, which ``load`` turns into one warning), never an error."""
+    """Note [Digests never fail a load]: whatever goes wrong (a file deleted since import, a
+    source inspect cannot parse) makes the load uncached (:class:`NotCacheable`), never fails."""
     try:
         return digests(items)
     except NotCacheable:
@@ -523,10 +487,9 @@ def _guarded(digests: Callable[[list[Any]], dict[str, str]],
 
 
 def graph_code(objects: Iterable[Any]) -> dict[str, str]:
-    """The user's code among the classes and functions a result's stream names (and the
-    classes' MROs), as :func:`code_of` lists it. Items that cannot be found again by
-    name and have no module file (a lambda in ``python -c``) are left out: pickle stores
-    such functions by value, with their code."""
+    """The user's code among the classes and functions a result's stream names (and MROs), as
+    :func:`code_of` lists it; what has no name nor file (a lambda in ``python -c``) is left
+    out: pickle stores it by value."""
     out = _guarded(_digests, list(objects))
     for name in list(out):
         if _resolve(name) is None and _module_file(
@@ -555,8 +518,7 @@ def _resolve(name: str) -> Any:
 
 
 def changed(recorded: dict[str, str] | None) -> str | None:
-    """Why the code an entry was built with differs from this process's, or ``None``
-    (also for entries without user code: the common case, free)."""
+    """Why an entry's code differs from this process's, or ``None`` (free without user code)."""
     if not recorded:
         return None
     try:
