@@ -1,9 +1,5 @@
-"""Human formatting shared by the magics, the widget and the examples.
-
-Sizes use binary units (``1.5 GiB``), durations pick a unit a person reads at a glance
-(``48 ms``, ``2.91 s``, ``3 min 05 s``), and tables come out either as aligned text (a
-terminal) or as an HTML ``<table>`` (JupyterLab, VS Code). Nothing here imports torch.
-"""
+"""Human formatting shared by the magics, the widget and the examples: binary sizes, durations
+at a glance (``48 ms``, ``3 min 05 s``), tables as aligned text or HTML. No torch."""
 
 from __future__ import annotations
 
@@ -55,9 +51,8 @@ def format_seconds(seconds: float | None) -> str:
 
 
 def format_speedup(cold: float | None, warm: float | None) -> str:
-    """How many times faster the warm load was: ``'41x'``, ``'3.0x'``; a warm load slower
-    than the cold one keeps two significant digits (``'0.25x'``, ``'0.033x'``), never
-    ``'0.0x'``; ``''`` when not meaningful."""
+    """How many times faster the warm load was: ``'41x'``, ``'3.0x'``; slower keeps two
+    significant digits (``'0.25x'``), never ``'0.0x'``; ``''`` when not meaningful."""
     if not cold or not warm or warm <= 0 or cold <= 0:
         return ""
     ratio = cold / warm
@@ -69,8 +64,7 @@ def format_speedup(cold: float | None, warm: float | None) -> str:
 
 
 def entry_speedup(entry: EntryJson) -> str:
-    """An entry's speed-up, ``'41x'``: its cold load time over the median of its recent
-    warm loads (``warm_median_seconds``, from the daemon); ``''`` before a warm load."""
+    """An entry's speed-up: cold over ``warm_median_seconds``; ``''`` before a warm load."""
     return format_speedup(entry.get("cold_seconds"), entry.get("warm_median_seconds"))
 
 
@@ -89,11 +83,8 @@ def format_ago(epoch: float | None, now: float | None = None) -> str:
 
 
 def describe_load(event: Any) -> str:
-    """One line for a ``LoadEvent``, e.g. ``warm 0.05 s (cold load was 2.91 s, 41x)``.
-
-    The callable and its main argument follow after two spaces, so that several lines
-    (a ``%%overmind_load`` cell) stay readable.
-    """
+    """One line for a ``LoadEvent``, e.g. ``warm 0.05 s (cold load was 2.91 s, 41x)``, then
+    the callable and its main argument after two spaces."""
     outcome = getattr(event, "outcome", "?")
     seconds = format_seconds(getattr(event, "seconds", None))
     cold = getattr(event, "cold_seconds", None)
@@ -153,8 +144,7 @@ def html_table(
     right: Sequence[int] = (),
     titles: Sequence[str | None] | None = None,
 ) -> str:
-    """An HTML table with every cell escaped; ``titles`` (one per row) become tooltips on
-    the first cell (the full cache key, say)."""
+    """An HTML table, every cell escaped; ``titles`` become first-cell tooltips."""
     body = _cells(rows)
     style = ' style="text-align:right"'
     head = "".join(
@@ -182,8 +172,7 @@ def _hits(entry: EntryJson) -> str:
 
 
 def entry_row(entry: EntryJson, now: float | None = None) -> list[str]:
-    """The cells of one entry (daemon ``list`` JSON) in `ENTRY_HEADERS` order; "warm" is
-    the median of the recent warm loads."""
+    """The cells of one entry in `ENTRY_HEADERS` order ("warm": the recent warm median)."""
     holders = entry.get("holders") or []
     return [
         str(entry.get("name", entry.get("key", "?"))),
@@ -199,11 +188,8 @@ def entry_row(entry: EntryJson, now: float | None = None) -> list[str]:
 
 
 def status_line(status: Status) -> str:
-    """``daemon pid 8824 on /run/...sock: 5 entries, 27.5 MiB of 11.8 GiB ...``.
-
-    The one rendering of a status as a line: the magics, the widget's header and the
-    ``%overmind_status`` report all show this.
-    """
+    """``daemon pid 8824 on /run/...sock: 5 entries, 27.5 MiB of 11.8 GiB ...``: the one
+    rendering of a status as a line (magics, widget, ``%overmind_status``)."""
     if not status.get("running"):
         error = status.get("error")
         return (
@@ -220,10 +206,8 @@ def status_line(status: Status) -> str:
 
 
 class StatusReport:
-    """The daemon status and its entries, shown as HTML (Lab) or aligned text (terminal).
-
-    ``%overmind_status`` returns one; ``.status`` and ``.entries`` are the daemon's JSON.
-    """
+    """The daemon status and its entries, as HTML or aligned text; ``%overmind_status``
+    returns one (``.status``, ``.entries``: the daemon's JSON)."""
 
     def __init__(self, status: Status, entries: list[EntryJson]) -> None:
         self.status = status

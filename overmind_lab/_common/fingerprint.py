@@ -1,33 +1,15 @@
 """What "equal to a plain load" means: one fingerprint of everything a user can observe.
 
-``fingerprint(obj)`` walks a load's result as pickle sees it (attributes from
-``__dict__`` and ``__slots__`` in order, container items, what ``__reduce_ex__`` gives
-for everything else) and records, per path, a short text of what is there:
+``fingerprint(obj)`` walks a result as pickle sees it and records, per path, a short text: exact
+classes and aliases (same object), attributes and dict keys in order, sets sorted; modules'
+fields, hook tables with ids, parameters, buffers and submodules at the paths a user writes;
+every tensor's layout, storage sharing, bytes, flags, ``data_ptr() % 64``, grad and its own
+attributes; tokenizers' vocabulary, added tokens, probe ids and JSON; configs' attributes.
 
-- the exact class of every object, and which paths are the same object (``alias of``);
-- every attribute in order, every dict's keys in order, sets sorted;
-- for ``nn.Module``: its fields, the hook tables with their ids, the ``training`` flag,
-  parameters, buffers (persistent or not) and submodules, at the paths a user writes
-  (``unet.down_blocks[0].attentions[0].proj_in.weight``);
-- for every tensor: class, dtype, device, layout, shape, stride, storage offset, which
-  storage (tensors over one storage name the same one), the storage's size and bytes,
-  resizable, ``data_ptr() % 64``, ``requires_grad``, ``is_leaf``, ``grad``, inference
-  mode, conj and neg bits, quantization parameters, its own attributes; sparse, nested,
-  quantized and meta tensors through what they are made of;
-- for tokenizers: the vocabulary, the added tokens with their ids, the ids of a fixed
-  set of probe strings (chat markers, unknown words, whitespace), the backend's JSON;
-- configs through their attributes, private ones included.
-
-It never raises: a value it cannot read is recorded as ``<unreadable: ...>``. Two
-fingerprints taken in different processes compare equal exactly when the objects are
-equal as a user can tell: nothing in them depends on addresses, ids or the string-hash
-salt (Note [What differs between two plain loads]).
-
-``difference(a, b)`` names the first path where two fingerprints differ, e.g.
-``unet.conv_in.weight: data_ptr % 64 4 vs 0``; ``differences`` lists them all.
-Verify mode, the tests, the fuzzer and the benchmark's equality check use this module
-and nothing else. It imports nothing beyond the standard library: torch and numpy are
-taken from ``sys.modules`` (an object of theirs cannot exist before they are imported).
+It never raises (``<unreadable: ...>``), and nothing in it depends on addresses, ids or the
+string-hash salt (Note [What differs between two plain loads]). ``difference(a, b)`` names the
+first differing path (``unet.conv_in.weight: data_ptr % 64 4 vs 0``). Standard library only:
+torch and numpy are taken from ``sys.modules``.
 """
 
 from __future__ import annotations
@@ -69,19 +51,13 @@ def fingerprint(obj: Any) -> Fingerprint:
 RESIZABLE = "resizable"
 ALIGNED64 = "data_ptr%64"
 
-# Note [Facts that plain loads vary in]: two facts are recorded and shown, but do not count
-# as a difference unless a comparison asks for them (``ignore``):
-# - ``resizable``: a warm hit's tensors are views of a private mapping of the cache's
-#   segment (zero-copy is the product), and torch cannot make a storage over foreign
-#   memory resizable: ``storage.resize_()`` or growing ``tensor.resize_()`` raises on it.
-#   A plain load's storages are resizable where the loader allocated them (a dtype
-#   conversion) and not where it mapped the file (safetensors in its stored dtype), so
-#   users of these libraries already meet both. The one difference a hit keeps.
-# - ``data_ptr%64``: torch's allocator aligns to 64 bytes and a mapped file keeps its
-#   offsets, but memory from malloc (numpy's arrays, ``torch.from_numpy`` over them:
-#   schedulers' timesteps) is only 16-byte aligned, so two plain loads differ in it.
-#   ``data_ptr%16`` always counts, and the rebuild keeps the address modulo 64 anyway
-#   (Note [Addresses modulo 64] in ``_loading/pickling``), which our own tests check.
+# Note [Facts that plain loads vary in]: two facts are shown but count only if asked (``ignore``):
+# - ``resizable``: a hit's tensors view a private mapping (zero-copy is the product), which torch
+#   cannot resize; a plain load's storages are resizable where the loader allocated them and
+#   not where it mapped the file, so users already meet both. The one difference a hit keeps.
+# - ``data_ptr%64``: malloc'd memory (numpy arrays, schedulers' timesteps) is only 16-byte
+#   aligned, so two plain loads differ in it; ``data_ptr%16`` always counts, and the rebuild
+#   keeps it anyway (Note [Addresses modulo 64] in ``_loading/pickling``).
 INTENDED = frozenset({RESIZABLE, ALIGNED64})
 
 
@@ -119,8 +95,8 @@ def compare(a: Any, b: Any) -> str | None:
 
 
 def _contrast(a: str, b: str, names: tuple[str, str]) -> str:
-    """``a vs b``, with a common ``name value`` prefix said once; for lists of attribute
-    names, which ones only one side has, or that the order differs."""
+    """``a vs b``, a common ``name value`` prefix said once; for attribute lists, what only one
+    side has, or that the order differs."""
     if a.startswith("[") and b.startswith("["):
         try:
             la, lb = ast.literal_eval(a), ast.literal_eval(b)
@@ -158,14 +134,10 @@ def _unreadable(exc: BaseException) -> str:
     return f"<unreadable: {type(exc).__name__}: {_short(str(exc))}>"
 
 
-# Note [What differs between two plain loads]: the fingerprint of one model loaded
-# plainly in two processes must be equal, or every comparison would fail. Three things
-# differ between processes and are recorded otherwise: object identity (recorded as
-# "alias of" the first path that reached the same object, so tied weights and cycles
-# still count); the order of lists built from sets of strings (diffusers'
-# ``_use_default_values``: sorted here); and hashes of strings, salted per process
-# (transformers' GenerationConfig keeps ``_original_object_hash``: recorded as whether it
-# is the object's current hash). Addresses in reprs are dropped.
+# Note [What differs between two plain loads]: a model loaded plainly in two processes must
+# fingerprint equal. Object identity is recorded as "alias of" the first path (tied weights and
+# cycles still count); lists built from sets of strings are sorted (``_use_default_values``);
+# salted string hashes (``_original_object_hash``) as whether current. Addresses in reprs dropped.
 class _Walker:
     def __init__(self) -> None:
         self.out: Fingerprint = {}
@@ -300,8 +272,7 @@ class _Walker:
             self.visit(value, _attr(path, name), depth + 1)
 
     def opaque(self, obj: Any, path: str, depth: int) -> None:
-        """An object with no attribute dict: a function or class by its name, anything
-        else by what pickle would save of it (``__reduce_ex__``)."""
+        """A function or class by its name, anything else by its ``__reduce_ex__``."""
         cls = type(obj)
         name = getattr(obj, "__qualname__", None)
         if callable(obj) and isinstance(name, str):
@@ -332,8 +303,7 @@ class _Walker:
 
     # -- torch ---------------------------------------------------------------------------
     def module(self, obj: Any, path: str, depth: int) -> None:
-        # ``_compiled_call_impl = None`` reads the same as the class attribute it shadows,
-        # and ``Module.__getstate__`` drops it: not a difference a user can observe.
+        # ``_compiled_call_impl = None`` reads as the class attribute; __getstate__ drops it.
         state = {k: v for k, v in obj.__dict__.items()
                  if k != "_compiled_call_impl" or v is not None}
         self.put(path, f"{_qual(type(obj))} training {state.get('training')}")

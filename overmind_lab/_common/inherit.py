@@ -1,34 +1,23 @@
 """What a kernel inherits from the process that starts it, besides env and cwd.
 
-A plain kernel is a child of the Jupyter server and inherits the server's process
-attributes; a forked one is a child of the zygote, which got them from whichever server
-started it. So the provisioner (in the server) :func:`observe` s its own, sends them with
-the fork request, the zygote checks before forking what no child could change
-(:func:`refusal`), and the forked child :func:`apply` s the rest before anything else.
+A forked kernel is the zygote's child, not the server's: the provisioner :func:`observe` s its
+own attributes and sends them with the fork request, the zygote refuses what no child could
+change (:func:`refusal`), and the forked child :func:`apply` s the rest first.
 
 Note [Inherited process attributes]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-What ``fork`` + ``exec`` passes from the server to a plain kernel, and how a warm kernel
-gets the same:
-
-- applied in the child: umask, nice, scheduling policy and priority, CPU affinity,
-  ``oom_score_adj``, the resource limits but the stack's, the real/effective/saved group
-  ids and the supplementary groups (``setresgid``, ``setgroups``: root only), and the
-  cgroup of every hierarchy (written into its ``cgroup.procs``). Where the child is not
-  allowed to (a lower nice, a higher hard limit, another user's cgroup, groups without
-  ``CAP_SETGID``), it exits before it runs any kernel code and tells the zygote why on a
-  pipe; the zygote reaps it and refuses, and the provisioner launches a plain kernel
-  with that reason in the server log (Note [Never worse than plain] in
-  ``_jupyter_server/provisioner.py``).
-- refused before the fork, since no process can change them in itself: the namespaces,
-  the uid line, the capability sets, ``NoNewPrivs``, ``Seccomp``, the set of cgroup
-  hierarchies, and ``RLIMIT_STACK`` (the kernel maps the main thread's stack at
-  ``exec``, and glibc sizes every later thread's stack from the limit it read at start).
-- nice, affinity and the scheduling policy are per thread on Linux: the provisioner
-  observes them in the thread that would ``fork`` a plain kernel (the event loop's).
-- the time zone and locale ride in the environment: the child calls ``time.tzset()``;
-  the locale variables are part of the zygote's identity (``_common/zygote_paths.py``), since the
-  locale at interpreter start fixes the UTF-8 mode and the file system encoding.
+- applied in the child: umask, nice, scheduling, CPU affinity, ``oom_score_adj``, resource
+  limits but the stack's, group ids and supplementary groups (root only), and each hierarchy's
+  cgroup. Where not allowed (a lower nice, a higher hard limit, another's cgroup), the child
+  exits before any kernel code and tells the zygote, which refuses; the provisioner launches
+  plain, with the reason logged (Note [Never worse than plain] in ``provisioner.py``).
+- refused before the fork, as no process can change them in itself: namespaces, uids,
+  capabilities, ``NoNewPrivs``, ``Seccomp``, the cgroup hierarchies, and ``RLIMIT_STACK``
+  (the main stack is mapped at ``exec``, glibc sizes thread stacks from it at start).
+- nice, affinity and scheduling are per thread: observed in the thread that would fork a
+  plain kernel (the event loop's).
+- time zone and locale ride in the environment: the child calls ``time.tzset()``; the locale
+  variables are in the zygote's identity (they fix UTF-8 mode and the file system encoding).
 """
 
 from __future__ import annotations

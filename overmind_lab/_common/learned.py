@@ -1,17 +1,12 @@
-"""The *learned* modules: the third-party modules earlier warm kernels imported, which
-the next zygote of the same identity preloads. A forked kernel records them when it exits
-(``_forked``); a booting zygote reads them back (``_zygote``).
+"""The *learned* modules: third-party modules earlier warm kernels imported, which the next
+zygote of the same identity preloads; a forked kernel records them at exit (Note [Third-party
+only] in ``_zygote/preload.py``).
 
-Note [Third-party only] in ``_zygote/preload.py``: only files in the interpreter's standard
-library or site-packages count (:func:`is_third_party`).
-
-Note [Importable by name]: a module is learned only when a fresh interpreter imports it by
-its name: its top-level module or package lies directly in the standard library
-(``lib-dynload`` included) or in site-packages. debugpy's vendored pydevd
-(``_pydev_bundle``, ``_pydevd_bundle``, ``pydevd_plugins``...) lies inside site-packages
-but under ``debugpy/_vendored/``, on ``sys.path`` only after debugpy put it there: a
-zygote cannot import those, and its "not preloaded" report would list dozens of names no
-user knows. Such modules are neither learned nor read back from a learned file.
+Note [Importable by name]: a module is learned only when a fresh interpreter imports it by name:
+its top-level module lies directly in the standard library (``lib-dynload`` too) or
+site-packages. debugpy's vendored pydevd lies under ``debugpy/_vendored/``, on ``sys.path``
+only once debugpy put it there: a zygote cannot import it, and would report dozens of unknown
+names as not preloaded. Such modules are neither learned nor read back.
 """
 
 from __future__ import annotations
@@ -54,8 +49,7 @@ _TOP_OK: dict[str, bool] = {}
 
 
 def _top_level_ok(top: str) -> bool:
-    """Note [Importable by name]: whether top-level ``top`` lies in a standard directory
-    (found without importing it; cached per process)."""
+    """Note [Importable by name]: whether ``top`` lies in a standard directory (cached)."""
     ok = _TOP_OK.get(top)
     if ok is not None:
         return ok
@@ -98,8 +92,8 @@ def is_third_party(path: str | None) -> bool:
 
 
 def third_party_modules(names: Iterable[str] | None = None) -> list[str]:
-    """The imported modules (of ``names``, default all) that are third-party and
-    importable by name (Note [Importable by name])."""
+    """The imported modules (of ``names``, default all) that are third-party and importable by
+    name."""
     out = []
     tops: dict[str, bool] = {}
     for name in list(sys.modules) if names is None else names:
@@ -116,8 +110,7 @@ def third_party_modules(names: Iterable[str] | None = None) -> list[str]:
 
 
 def read_learned(path: Path) -> list[str]:
-    """The learned modules a fresh interpreter can import by name (a file written before
-    Note [Importable by name] may hold others)."""
+    """The learned modules importable by name (an older file may hold others)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -1,45 +1,19 @@
-"""The wire messages, typed: the daemon's (one request and one reply per operation), and
-the zygote's (at the end: `ZygoteRequest`, `ZygoteReply`).
+"""The wire messages, typed: the daemon's (a request and a reply per operation), and the
+zygote's (Note [The zygote's wire]). Both sides import these; a frame is a JSON object
+(``_common.protocol``).
 
-Both sides import these: the daemon (``_daemon.server``, ``_daemon.refresh``) builds the
-replies and reads the requests, the client (``_loading.client``, ``_loading.load``) does the
-reverse, and the Jupyter side shows what ``status`` and ``list`` return. A frame is a JSON
-object (``_common.protocol``); the types below say which object each operation sends.
+Daemon operations (``Op``): ``hello``/``status`` `StatusRequest` -> `StatusReply`; ``lookup``
+`LookupRequest` -> any number of `WaitReply` while another process loads the key, then `HitReply`
+(+ segment fds) or `LeaseReply` (you load it); ``reserve`` -> `ReserveReply` (+ one writable
+fd); ``link`` -> `LinkReply`; ``store`` -> `StoreReply`; ``abandon`` `KeyRequest` -> `OkReply`;
+``report`` -> none; ``list`` -> `ListReply` (`EntryJson` each); ``evict``/``evict_all`` ->
+`EvictReply`; ``refresh`` -> `RefreshReply`; ``stop`` -> `StopReply`. Any may be refused with
+`ErrorReply` (``ok: false``, an ``ErrorKind`` as ``kind``, a sentence as ``error``).
 
-Operations (``Op``), each request with its ``"op"``:
-
-=============  ===================  ==============================================
-op             request              reply
-=============  ===================  ==============================================
-``hello``,     `StatusRequest`      `StatusReply`: ``ok`` + `Status`
-``status``
-``lookup``     `LookupRequest`      `HitReply` (+ segment fds), or `LeaseReply` (you
-                                    load it), after any number of `WaitReply` while
-                                    another process loads the key
-``reserve``    `ReserveRequest`     `ReserveReply` (+ one writable fd)
-``link``       `LinkRequest`        `LinkReply`
-``store``      `StoreRequest`       `StoreReply`
-``abandon``    `KeyRequest`         `OkReply`
-``report``     `ReportRequest`      none
-``list``       `OpRequest`          `ListReply`: ``entries``, each an `EntryJson`
-``evict``      `KeyRequest`         `EvictReply`
-``evict_all``  `OpRequest`          `EvictReply`
-``refresh``    `KeyRequest`         `RefreshReply`: the `EntryJson`
-``stop``       `OpRequest`          `StopReply`
-=============  ===================  ==============================================
-
-Any operation may be refused instead: `ErrorReply` (``ok: false``, an ``ErrorKind`` value
-as ``kind``, a sentence as ``error``).
-
-Three values are JSON the daemon never looks into, typed `JsonObject` on purpose: an
-entry's ``meta`` (how the client rebuilds the result: its own format, see
-``_loading.load``), the ``validate`` record (what a restarted daemon compares, see
-``_daemon.persist``) and the arguments of a replayable call (`ReplaySpec`: whatever the
-user passed, JSON-encoded).
-
-The types describe what is sent, not a validation: a receiver converts each field it
-reads (``str()``, ``int()``), and a request that lacks a field it needs ends its
-connection, logged, as it always has.
+`JsonObject` marks JSON the daemon never looks into: an entry's ``meta`` (``_loading.load``),
+the ``validate`` record (``_daemon.persist``) and a replayable call's arguments. The types
+describe what is sent, not a validation: receivers convert each field they read, and a request
+lacking a needed field ends its connection, logged.
 """
 
 from __future__ import annotations
@@ -81,8 +55,7 @@ class StatusRequest(TypedDict):
 
 
 class KeyRequest(TypedDict):
-    """``abandon``, ``evict``, ``refresh``: a key, a unique key prefix or an exact name
-    (``abandon``: the key itself)."""
+    """``abandon``, ``evict``, ``refresh``: a key, a unique prefix or an exact name."""
 
     op: Literal["abandon", "evict", "refresh"]
     key: str
@@ -184,9 +157,8 @@ class _StatusFields(TypedDict):
 
 
 class Status(_StatusFields, total=False):
-    """The Status JSON (``docs/internals.md``). A running daemon sends every key but
-    ``error``; when none runs, ``Client.status()`` has ``running`` (false), ``socket`` and
-    ``error``, and the REST route adds the two memory keys."""
+    """The Status JSON (``docs/internals.md``): a running daemon sends all but ``error``; else
+    ``running`` (false), ``socket`` and ``error`` (the REST route adds the memory keys)."""
 
     pid: int
     version: str
@@ -289,8 +261,7 @@ EntryJson = TypedDict("EntryJson", {
     "cold_seconds": float,
     "store_seconds": float,
     "warm_seconds": list[float],  # recent warm loads, newest last
-    # the median of ``warm_seconds``, None before the first warm load: the warm time
-    # every view shows, and the speed-up is ``cold_seconds`` over it
+    # median of ``warm_seconds`` (None before a warm load): the speed-up is cold over it
     "warm_median_seconds": float | None,
     "holders": list[int],  # pids that map it now
     "replayable": bool,
@@ -329,8 +300,7 @@ class RefreshJob(TypedDict):
 
 
 class RefreshResult(TypedDict, total=False):
-    """The worker's last line: ``{"ok": true, "key", "seconds"}`` or ``{"ok": false,
-    "error"}``."""
+    """The worker's last line: ``{"ok": true, "key", "seconds"}`` or ``{"ok": false, "error"}``."""
 
     ok: bool
     key: str | None
@@ -339,24 +309,12 @@ class RefreshResult(TypedDict, total=False):
 
 
 # -- the zygote's wire ----------------------------------------------------------------------
-# Note [The zygote's wire]: whoever starts a warm kernel (the provisioner in a Jupyter
-# server, or the kernelspec launcher: ``_common.zygote_client``) and ``overmind-lab
-# kernel status|restart-zygote`` (``_jupyter_server.kernelspec``) talk to a zygote
-# (``_zygote.loop``) over its Unix socket, in the frames of ``_common.protocol``:
-#
-# ============  ===================  =====================================================
-# op            request              reply
-# ============  ===================  =====================================================
-# ``fork``      `ForkRequest` + the  `ForkReply` + a pidfd of the kernel; later, on the
-#               kernel's stdin,      same connection, one `ExitReport` when the zygote
-#               stdout, stderr fds   has reaped it
-# ``status``    `ZygoteOpRequest`    `ZygoteStatus`
-# ``replace``   `ZygoteOpRequest`    `ReplaceReply`: a replacement is booting, this one
-#                                    retires (Note [Replacing a zygote])
-# ``owner``     `ZygoteOpRequest`    `OkReply`: the sender is an owner (Note [Owners])
-# ============  ===================  =====================================================
-#
-# Any request may be refused instead: `ZygoteRefusal` (``ok: false``, ``reason``).
+# Note [The zygote's wire]: the provisioner and the launcher (``_common.zygote_client``) and
+# ``overmind-lab kernel status|restart-zygote`` talk to a zygote over its Unix socket, in the
+# frames of ``_common.protocol``: ``fork`` `ForkRequest` + stdin, stdout, stderr fds ->
+# `ForkReply` + a pidfd, later one `ExitReport` on the same connection once reaped; ``status``
+# -> `ZygoteStatus`; ``replace`` -> `ReplaceReply` (Note [Replacing a zygote]); ``owner`` ->
+# `OkReply` (Note [Owners]); any may be refused: `ZygoteRefusal` (``ok: false``, ``reason``).
 
 #: The zygote's operations, as the ``"op"`` of a request.
 ZygoteOp = Literal["fork", "status", "replace", "owner"]
@@ -372,8 +330,7 @@ class ForkRequest(TypedDict):
     cwd: str
     #: give the kernel a pidfd of the requester and exit with it (Note [Parent death])
     watch_parent: bool
-    #: the requester's process attributes for the kernel (``_common.inherit.observe``);
-    #: empty: the zygote's own
+    #: the requester's process attributes (``_common.inherit.observe``); empty: the zygote's
     inherit: JsonObject
 
 

@@ -1,14 +1,10 @@
-"""Length-prefixed JSON frames with file descriptors attached (SCM_RIGHTS).
+"""Length-prefixed JSON frames with file descriptors attached (SCM_RIGHTS): a 4-byte big-endian
+length, a UTF-8 JSON object saying how many fds (``"nfds"``) rode with its first bytes.
+:class:`Channel` is the blocking client side (timeouts), :class:`AsyncChannel` the daemon's.
 
-A frame is a 4-byte big-endian length followed by a UTF-8 JSON object. When a frame
-carries file descriptors they are attached to the ``sendmsg`` call that sends the frame's
-first bytes, and the JSON object says how many (``"nfds"``), so the reader can hand each
-frame exactly its own descriptors. :class:`Channel` is the blocking client side (every
-operation has a timeout), :class:`AsyncChannel` the daemon side (asyncio, non-blocking).
-
-Note [Descriptor ownership]: a received descriptor belongs to the receiver, who must close
-it (or keep it on purpose, as the daemon does with segment fds). A frame that arrives with
-descriptors it did not announce is a protocol error: its descriptors are closed.
+Note [Descriptor ownership]: a received descriptor is the receiver's to close (or keep on
+purpose, as the daemon does segment fds); a frame with unannounced descriptors is a protocol
+error and they are closed.
 """
 
 from __future__ import annotations
@@ -30,14 +26,10 @@ MAX_FRAME = 64 * 1024 * 1024
 #: Linux refuses more than SCM_MAX_FD (253) descriptors in one message.
 MAX_FDS = 250
 _RECV_CHUNK = 256 * 1024
-#: Note [Received descriptors close on exec]: a descriptor that arrives by SCM_RIGHTS is
-#: inheritable unless ``MSG_CMSG_CLOEXEC`` asks the kernel to set ``FD_CLOEXEC`` as it
-#: installs it. Without it a shell or subprocess a kernel starts (``!ls``, ``subprocess``)
-#: would hold every segment the kernel received, and during a store the writable
-#: ``.tmp`` too. Setting the flag afterwards (``fcntl``) leaves a window in which another
-#: thread's ``fork``/``exec`` inherits the descriptor; the flag on ``recvmsg`` has none.
-#: ``socket.recv_fds`` takes a ``flags`` argument but drops it (CPython 3.11-3.13 pass
-#: none to ``recvmsg``), hence ``_recv_fds``.
+#: Note [Received descriptors close on exec]: without ``MSG_CMSG_CLOEXEC`` a received fd is
+#: inheritable, and a kernel's ``!ls`` or ``subprocess`` would hold every segment (and a store's
+#: writable ``.tmp``); ``fcntl`` afterwards leaves a race with another thread's fork. CPython
+#: 3.11-3.13's ``socket.recv_fds`` drops its ``flags``, hence ``_recv_fds``.
 _RECV_FLAGS = socket.MSG_CMSG_CLOEXEC
 _FD_ARRAY_BYTES = socket.CMSG_LEN(MAX_FDS * array.array("i").itemsize)
 
@@ -51,8 +43,7 @@ def _recv_fds(sock: socket.socket) -> tuple[bytes, list[int], int]:
             fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
     return data, list(fds), flags
 
-#: A frame's JSON object as it arrives. Its shape is the peer's word: the daemon's messages
-#: are typed in ``messages``, and each side gives a frame its type where it reads it.
+#: A frame's JSON object as it arrives; each side gives it its type (``messages``) where read.
 Frame = dict[str, object]
 
 
@@ -232,11 +223,8 @@ class AsyncChannel:
 
 
 def bind_private(sock: socket.socket, path: str, backlog: int) -> None:
-    """Bind ``sock`` at ``path`` with mode 0600 from the start, and listen.
-
-    The umask, not a ``chmod`` after ``bind``: between the two another user could connect.
-    The umask is process-wide, so this runs before the process starts threads.
-    """
+    """Bind ``sock`` at ``path`` mode 0600 from the start, and listen: by umask, not a ``chmod``
+    after ``bind`` (another user could connect between); before the process starts threads."""
     old = os.umask(0o177)
     try:
         sock.bind(path)

@@ -1,14 +1,7 @@
-"""Asking a zygote: start one, fork a kernel from it, follow that kernel, query it.
-
-Two processes start warm kernels and share this: the Jupyter server, through its
-provisioner (``_jupyter_server.provisioner``), and the kernelspec launcher
-(``_launcher``) where a frontend runs the kernelspec's argv itself. ``overmind-lab kernel
-status|restart-zygote`` asks with :func:`ask`. The messages are typed in
-``_common.messages`` (Note [The zygote's wire]).
-
-Nothing here imports jupyter_client, torch or the zygote's own code: a launch that the
-zygote cannot serve raises :class:`WarmUnavailable`, and the caller starts a plain
-kernel (Note [Never worse than plain] in ``_jupyter_server/provisioner.py``).
+"""Asking a zygote: start one, fork a kernel from it, follow that kernel, query it. Shared by
+the provisioner and the launcher; ``kernel status|restart-zygote`` use :func:`ask` (Note [The
+zygote's wire]). No jupyter_client, torch or zygote code: a launch the zygote cannot serve
+raises :class:`WarmUnavailable` and the caller starts a plain kernel.
 """
 
 from __future__ import annotations
@@ -130,10 +123,8 @@ def ask(sock_path: Path, request: ZygoteOpRequest, timeout: float = 5.0) -> Zygo
 def request_fork(cmd: list[str], env: dict[str, str], cwd: str,
                  stdio: list[int], watch_parent: bool,
                  attributes: JsonObject | None = None) -> WarmKernel:
-    """Ask the zygote for ``cmd`` (blocking); starts a zygote when none runs.
-
-    ``attributes`` (``inherit.observe()`` in the thread that would start a plain kernel)
-    are what the kernel takes on; ``None``: the zygote's own."""
+    """Ask the zygote for ``cmd`` (blocking), starting one when none runs. ``attributes``
+    (``inherit.observe()``) are what the kernel takes on; ``None``: the zygote's own."""
     if not sys.platform.startswith("linux"):
         raise WarmUnavailable(f"warm kernels need Linux (this is {sys.platform})")
     paths = ZygotePaths.for_launch(cmd[0], env)
@@ -179,9 +170,8 @@ def spawn(paths: ZygotePaths, owners: list[int], env: dict[str, str]) -> None:
     for k in ZYGOTE_ONLY_ENV:
         if k in env and _ORIG + k not in env:
             env[_ORIG + k] = env[k]
-    # Note [BLAS threads] in ``_zygote/loop.py``: OpenBLAS starts its pool when numpy is
-    # imported; with one thread it starts none, and the child sets the count a fresh
-    # process has.
+    # Note [BLAS threads] in ``_zygote/loop.py``: with one thread OpenBLAS starts no pool at
+    # import; the child sets a fresh process's count.
     env["OPENBLAS_NUM_THREADS"] = "1"
     env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     cmd = [sys.executable, "-m", "overmind_lab._zygote", "--socket",
@@ -189,8 +179,7 @@ def spawn(paths: ZygotePaths, owners: list[int], env: dict[str, str]) -> None:
            *[a for pid in owners for a in ("--owner", str(pid))]]
     log_fd = os.open(paths.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
     try:
-        # A shell that backgrounds the zygote and exits: the zygote is nobody's child
-        # to reap, in its own session, holding no descriptor of the caller.
+        # A shell backgrounds the zygote and exits: nobody's child, own session, no fd of ours.
         subprocess.run(["/bin/sh", "-c", 'exec "$@" &', "sh", *cmd], env=env, cwd="/",
                        stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
                        start_new_session=True, close_fds=True, check=True, timeout=10)

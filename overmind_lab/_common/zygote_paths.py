@@ -1,16 +1,10 @@
 """Where zygotes live, and what makes one zygote different from another.
 
-A zygote serves kernels of one interpreter of one Python environment (a venv, or the
-interpreter's own prefix: :func:`environment`) whose import-relevant environment is the same:
-``CUDA_VISIBLE_DEVICES``, the thread-count variables, ``PYTHONPATH``, ``LD_LIBRARY_PATH``,
-the Hugging Face and torch settings, and the others in :data:`IMPORT_ENV_PREFIXES`.
-Their hash (the *identity*) names the zygote's socket, so kernels with a different
-environment get a different zygote. The preload set is not part of the name: it grows
-(cached classes, learned modules) and a grown set replaces the zygote in the background
-instead of making the next launch cold (see Note [Replacing a zygote] in ``_zygote/loop.py``).
-
-The sockets sit beside the daemon's socket: in the 0700 per-user runtime directory, or in
-the directory of ``$OVERMIND_LAB_SOCKET`` when that is set (tests, benchmarks).
+A zygote serves kernels of one interpreter and Python environment (:func:`environment`) with
+the same import-relevant variables (:data:`IMPORT_ENV_PREFIXES`); their hash, the *identity*,
+names its socket. The preload set is not part of it: a grown set replaces the zygote in the
+background (Note [Replacing a zygote] in ``_zygote/loop.py``). The sockets sit beside the
+daemon's: in the 0700 per-user runtime directory, or that of ``$OVERMIND_LAB_SOCKET``.
 """
 
 from __future__ import annotations
@@ -29,8 +23,8 @@ __all__ = ["IMPORT_ENV_PREFIXES", "import_env", "environment", "identity", "zygo
            "ZygotePaths", "ZYGOTE_IDLE_ENV", "zygote_idle_seconds", "ZYGOTE_BOOT_WAIT_ENV",
            "zygote_boot_wait_seconds"]
 
-#: Environment variables (by prefix) that can change what an import does or which threads
-#: and devices it sets up. Kernels whose values differ never share a zygote.
+#: Environment variables (by prefix) that can change what an import does or which threads and
+#: devices it sets up: kernels whose values differ never share a zygote.
 IMPORT_ENV_PREFIXES = (
     "CUDA_", "NVIDIA_", "HIP_", "ROCR_", "OMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO_",
     "BLIS_", "VECLIB_", "NUMEXPR_", "PYTHON", "LD_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_",
@@ -43,12 +37,11 @@ IMPORT_ENV_PREFIXES = (
 #: Set by overmind-lab itself in the zygote only; never part of the identity.
 ZYGOTE_ONLY_ENV = ("OPENBLAS_NUM_THREADS", "PYTORCH_NVML_BASED_CUDA_CHECK")
 
-#: Note [Idle zygote]: how long (seconds) a zygote with no owner and no kernel left stays,
-#: so that a next run (nbconvert, papermill, a VS Code launcher) is forked, not plain.
+#: Note [Idle zygote]: how long (s) a zygote with no owner nor kernel stays, so that a next run
+#: (nbconvert, papermill, a VS Code launcher) is forked, not plain.
 ZYGOTE_IDLE_ENV = "OVERMIND_LAB_ZYGOTE_IDLE"
 DEFAULT_ZYGOTE_IDLE_S = 300.0
-#: Note [Waiting for a booting zygote]: how long (seconds) a launch that finds no zygote
-#: socket waits for a zygote that is importing right now, instead of starting plainly.
+#: Note [Waiting for a booting zygote]: how long (s) a launch waits for a zygote importing now.
 ZYGOTE_BOOT_WAIT_ENV = "OVERMIND_LAB_ZYGOTE_BOOT_WAIT"
 DEFAULT_ZYGOTE_BOOT_WAIT_S = 30.0
 #: Settings of the zygote's own life, not of what imports do: never part of the identity.
@@ -85,13 +78,11 @@ def import_env(env: Mapping[str, str]) -> dict[str, str]:
 def environment(interpreter: str) -> str:
     """The Python environment ``interpreter`` runs in: its venv's directory, else its prefix.
 
-    Note [Environments share an interpreter]: a venv's ``bin/python`` is a symlink to the
-    interpreter it was made from, so two venvs (and the base installation) resolve to one
-    executable, and a Jupyter server started without activating its venv has no
-    ``VIRTUAL_ENV`` to tell them apart. Their packages differ all the same: a kernel of
-    one venv must never be forked from a zygote that imported another's. A venv is the
-    directory above ``bin/`` that holds ``pyvenv.cfg``, found from the path as given (not
-    resolved through the symlink).
+    Note [Environments share an interpreter]: a venv's ``bin/python`` links to the interpreter
+    it was made from, so venvs resolve to one executable, and a server started without
+    activating its venv has no ``VIRTUAL_ENV``; yet a kernel of one venv must never be forked
+    from another's zygote. A venv is the directory above ``bin/`` holding ``pyvenv.cfg``, found
+    from the path as given (not resolved).
     """
     path = os.path.abspath(interpreter)
     venv = os.path.dirname(os.path.dirname(path))
@@ -138,9 +129,8 @@ class ZygotePaths:
         return cls(zygote_dir(env), identity(interpreter, env))
 
     def booting(self) -> list[int]:
-        """The pids of live zygotes importing for this identity now: each binds
-        ``<socket>.<pid>`` when its boot starts and renames it over the socket at the end
-        (Note [Replacing a zygote] in ``_zygote/loop.py``)."""
+        """The pids of live zygotes importing for this identity now (each binds
+        ``<socket>.<pid>`` while it boots: Note [Replacing a zygote])."""
         pids = []
         for tmp in self.directory.glob(f"{self.socket.name}.*"):
             suffix = tmp.name.rpartition(".")[2]
@@ -149,16 +139,12 @@ class ZygotePaths:
         return pids
 
     def wait_while_booting(self, timeout: float) -> bool:
-        """Whether the socket exists, after waiting up to ``timeout`` seconds while a zygote
-        boots and none serves.
+        """Whether the socket exists, after waiting up to ``timeout`` s while a zygote boots.
 
-        Note [Waiting for a booting zygote]: the first launch finds no zygote, starts one
-        and is plain; a launch a few seconds later (a restart, the next ``nbconvert``
-        run, a second VS Code kernel) would find it still importing, start another, which
-        loses the boot lock at once, and be plain too. It waits for the one importing
-        instead: what it waits is the rest of the same imports a plain kernel's cells
-        would do, and then its kernel is forked. A zygote already serving (a replacement
-        booting beside it) is used at once; nothing booting, no wait.
+        Note [Waiting for a booting zygote]: a launch seconds after the first (a restart, the
+        next ``nbconvert``) would find the zygote still importing, start another (which loses
+        the boot lock) and be plain too. It waits instead: the rest of the imports a plain
+        kernel would do anyway. A zygote already serving is used at once.
         """
         deadline = time.monotonic() + timeout
         while not self.socket.exists():

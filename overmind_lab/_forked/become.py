@@ -1,61 +1,38 @@
 """In a forked child of the zygote: become a kernel exactly as a fresh process would.
 
-``run_and_exit`` is called in the child right at the fork (Note [Leaving the zygote's
-loop]), after the zygote's own descriptors were closed, and before anything else
-happens in it. It makes the process
-look like ``python -m MODULE ARGS`` started fresh in the given cwd and environment, then
-runs the module as ``__main__`` (``runpy``, as ``-m`` does), and exits as a fresh
-interpreter would (threads joined, ``atexit``, stdio flushed: Note [Fast exit]).
+``run_and_exit`` runs in the child right at the fork (Note [Leaving the zygote's loop]), after
+the zygote's descriptors were closed: it makes the process look like ``python -m MODULE ARGS``
+started fresh, runs the module as ``__main__`` (``runpy``), and exits as a fresh interpreter
+would (Note [Fast exit]). What a fresh process has and a fork would not, set in this order:
 
-What a fresh process has and a fork would not, set here in this order:
-
-- the server's umask, nice, limits, groups, cgroup and the rest of Note [Inherited
-  process attributes] (``_common/inherit.py``), taken on first: a child that cannot exits, tells
-  the zygote why, and the launch is plain;
+- the server's process attributes (Note [Inherited process attributes], ``_common/inherit.py``)
+  first: a child that cannot take them on exits and tells the zygote why (the launch is plain);
 - its own session (``setsid``), so a ``killpg`` of the kernel never reaches the zygote;
-- the given stdin/stdout/stderr, cwd and environment (``os.environ`` replaced, not
-  merged; the C library's environment with it, so libraries that read ``getenv`` later
-  see the kernel's values);
-- default signal dispositions and an empty signal mask (Python's own start-up choices:
-  ``SIGINT`` raises ``KeyboardInterrupt``, ``SIGPIPE`` and ``SIGXFSZ`` ignored; for
-  ipykernel, SIGINT is dropped until ipykernel ignores it: Note [Interrupted at birth]);
-- ``sys.path[0]`` = the cwd, as for ``-m``, and fresh import caches, so that the user's
-  modules in the notebook's folder are found and read from disk now;
-- the time zone of its own ``TZ`` (``time.tzset()``), and ``sys.orig_argv`` of its command;
-- new random state: ``random`` (CPython reseeds it at fork too), numpy's global
-  ``RandomState`` and torch's default CPU generator, from the OS entropy pool, as a fresh
-  process seeds them (CUDA's generators are made at CUDA's first use, in the kernel);
-- no tqdm write lock shared with the zygote and its other kernels (Note [Library state
-  across the fork] in ``_zygote/loop.py``);
-- the BLAS thread counts a fresh process gets (Note [BLAS threads] in ``_zygote/loop.py``):
-  measured by a fresh interpreter once per zygote and CPU affinity (the pools are as
-  large as the CPUs a process may use) and set here through threadpoolctl.
-  torch's own intra-op pool was never started in the zygote; it reads the kernel's
-  ``OMP_NUM_THREADS`` when it starts, as in a fresh process.
+- the given stdio, cwd and environment (replaced, the C library's too, for later ``getenv``);
+- default signal dispositions and an empty mask (Note [Interrupted at birth] for ipykernel);
+- ``sys.path[0]`` = the cwd, as for ``-m``, and fresh import caches;
+- its ``TZ`` (``time.tzset()``) and ``sys.orig_argv``;
+- new random state for ``random``, numpy's global ``RandomState`` and torch's CPU generator,
+  from OS entropy as a fresh process seeds them;
+- no tqdm write lock shared with the zygote (Note [Library state across the fork]);
+- the BLAS thread counts a fresh process gets (Note [BLAS threads] in ``_zygote/loop.py``),
+  probed once per zygote and CPU affinity, set through threadpoolctl (torch's intra-op pool
+  never started in the zygote and reads the kernel's ``OMP_NUM_THREADS``).
 
-Note [Interrupted at birth]: jupyter_client interrupts a kernel before it shuts it down,
-so a second restart within about half a second sends SIGINT to a kernel that is still
-starting: in the zygote's code right after the fork, or in ipykernel's ``initialize``
-before its ``init_signal`` ignores SIGINT, where Python's handler raised
-``KeyboardInterrupt`` and printed its traceback into the server log. The zygote blocks
-SIGINT across the fork; the child, when it runs ipykernel, installs a handler that drops
-the interrupt (the kernel is being shut down anyway, by message or by SIGTERM/SIGKILL),
-then unblocks it; ipykernel's ``init_signal`` replaces the handler with ``SIG_IGN``, so
-code in the kernel sees the dispositions and the (empty) mask of a fresh kernel.
+Note [Interrupted at birth]: jupyter_client interrupts a kernel before shutting it down, so a
+quick second restart sends SIGINT to a kernel still starting (whose ``KeyboardInterrupt``
+traceback went to the server log). The zygote blocks SIGINT across the fork; an ipykernel
+child installs a handler that drops it, then unblocks it; ipykernel's ``init_signal`` replaces
+that with ``SIG_IGN``, so the kernel sees a fresh kernel's dispositions and mask.
 
-Note [What a warm kernel does not share with a fresh one]: these differences are
-intended (a fork cannot avoid them) and ``overmind-lab kernel status`` lists them
-(:data:`INTENDED_DIFFERENCES`, and the variables preloaded modules set at their import:
-Note [Environment set at import] in ``_zygote/loop.py``). ``tests/test_warm_kernel_fresh.py``
-compares everything else a program can observe with a plain kernel's.
+Note [What a warm kernel does not share with a fresh one]: intended differences (a fork cannot
+avoid them), listed by ``overmind-lab kernel status`` (:data:`INTENDED_DIFFERENCES`, and
+Note [Environment set at import]); ``tests/test_warm_kernel_fresh.py`` compares the rest.
 
-Note [Parent death]: ipykernel's parent poller watches ``getppid()``, which for a forked
-kernel is the zygote, not the Jupyter server. The zygote hands the child a pidfd of the
-server (the peer of the fork request); a daemon thread waits on it and exits the process
-the way ipykernel's poller does (``os._exit(1)``), within a second of the server's
-death, even a SIGKILL. It only runs when the launch asked for it (``JPY_PARENT_PID``, as
-``jupyter_client`` sets for non-independent kernels); ipykernel's own poller is off
-(``parent_handle`` stays 0 from the zygote's environment).
+Note [Parent death]: ipykernel's parent poller watches ``getppid()``, the zygote here. The zygote
+hands the child a pidfd of the server; a daemon thread waits on it and exits as ipykernel's
+poller does (``os._exit(1)``), within a second of the server's death, even a SIGKILL. Only with
+``JPY_PARENT_PID`` (non-independent kernels); ipykernel's own poller is off.
 """
 
 from __future__ import annotations
@@ -85,8 +62,7 @@ __all__ = ["ForkTask", "run_and_exit", "run", "become", "exit_now", "tqdm_classe
 #: Note [What a warm kernel does not share with a fresh one].
 @dataclass
 class ForkTask:
-    """What a forked child needs to become a kernel: the zygote builds it from the fork
-    request (``_zygote.loop``) and hands it over at the fork."""
+    """What a forked child needs to become a kernel, built by the zygote from the request."""
 
     argv: list[str]
     env: dict[str, str]
@@ -100,8 +76,7 @@ class ForkTask:
     inherit: dict[str, Any] = field(default_factory=dict)
     #: Where the child says "ok" or why it cannot take them on; the zygote waits for it.
     ready_fd: int | None = None
-    #: Set at start if the kernel's environment lacks them (Note [Environment set at
-    #: import]).
+    #: Set at start if the kernel's env lacks them (Note [Environment set at import]).
     start_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -158,8 +133,7 @@ def _reseed() -> None:
 
 
 def tqdm_classes() -> list[type]:
-    """``tqdm.std.tqdm`` and its subclasses (``tqdm.auto``'s, the notebook's): each may
-    hold a monitor and a lock of its own. Empty where tqdm is not imported."""
+    """``tqdm.std.tqdm`` and its subclasses (each may hold its own monitor and lock)."""
     tqdm_std = sys.modules.get("tqdm.std")
     if tqdm_std is None:
         return []
@@ -174,8 +148,7 @@ def tqdm_classes() -> list[type]:
 
 
 def _fresh_library_state() -> None:
-    """Drop library state a fork shares with the zygote (Note [Library state across the
-    fork] in ``_zygote/loop.py``): tqdm's inter-process write lock."""
+    """Drop tqdm's inter-process write lock (Note [Library state across the fork])."""
     for cls in tqdm_classes():
         if "_lock" in vars(cls):
             delattr(cls, "_lock")
@@ -208,12 +181,9 @@ def _watch_parent(pidfd: int) -> None:
 
 
 def _parent_handle_from_env() -> None:
-    """``IPKernelApp.parent_handle`` read ``JPY_PARENT_PID`` when the zygote imported it.
-
-    With a parent, use 1: ipykernel then starts no poller of its own (it would watch the
-    zygote; Note [Parent death]) and, as for a fresh kernel with a parent, prints no
-    "Ctrl-C will not work" banner.
-    """
+    """``IPKernelApp.parent_handle`` read ``JPY_PARENT_PID`` when the zygote imported it. With
+    a parent, use 1: ipykernel starts no poller (it would watch the zygote: Note [Parent
+    death]) and prints no "Ctrl-C will not work" banner, as for a fresh kernel with a parent."""
     app = sys.modules.get("ipykernel.kernelapp")
     if app is not None:
         value = 1 if os.environ.get("JPY_PARENT_PID") else 0
@@ -301,13 +271,10 @@ def run(task: ForkTask) -> int:
 def run_and_exit(task: ForkTask) -> NoReturn:
     """In the child, right after the fork: become the kernel, run it, exit.
 
-    Note [Leaving the zygote's loop]: as CPython's ``multiprocessing.forkserver`` does, the
-    child does its work at the fork site and exits there (``os._exit`` in :func:`exit_now`);
-    it never returns into the zygote's loop. The zygote's frames below it (``main`` ->
-    ``serve`` -> ``_loop`` -> ``_serve_conn`` -> ``_handle_fork``) stay on the stack,
-    unused: ``_close_for_child`` has closed every descriptor they hold, and no exception
-    can climb into them (anything :func:`run` lets out is printed here, as the interpreter
-    would print it, and ends the process with status 1).
+    Note [Leaving the zygote's loop]: as ``multiprocessing.forkserver`` does, the child works at
+    the fork site and exits there (:func:`exit_now`), never returning into the zygote's loop:
+    its frames stay unused on the stack (``_close_for_child`` closed their descriptors), and
+    anything :func:`run` lets out is printed as the interpreter would, with status 1.
     """
     code = 1
     try:
@@ -318,14 +285,9 @@ def run_and_exit(task: ForkTask) -> NoReturn:
 
 
 def exit_now(code: int) -> NoReturn:
-    """Exit as the interpreter would, minus tearing down thousands of modules.
-
-    Note [Fast exit]: a kernel forked from the zygote holds every preloaded module; the
-    interpreter's finalization (module teardown, a final garbage collection over torch,
-    transformers and diffusers) took 1.5 s more than a plain kernel's exit, and a restart
-    waits for it. What a program can observe at exit still happens, in the interpreter's
-    order: non-daemon threads are joined, ``atexit`` handlers run, stdio is flushed.
-    """
+    """Note [Fast exit]: exit as the interpreter would, minus tearing down thousands of
+    preloaded modules (1.5 s more than a plain kernel's exit, which a restart waits for). What a
+    program can observe still happens in order: threads joined, ``atexit``, stdio flushed."""
     threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):

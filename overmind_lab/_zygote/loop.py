@@ -1,32 +1,19 @@
 """The zygote: a process that imported the heavy libraries once and forks kernels.
 
-Run as ``python -m overmind_lab._zygote --socket PATH --owner PID`` (the
-provisioner starts it, detached, on first use). It listens on a Unix socket in the
-per-user 0700 directory, serves only its own uid (``SO_PEERCRED``), and answers:
+``python -m overmind_lab._zygote --socket PATH --owner PID`` (started detached on first use)
+listens in the per-user 0700 directory, serves only its uid (``SO_PEERCRED``) and answers
+``fork`` (argv, env, cwd, stdio fds: the child's pid and pidfd, then its exit status on the same
+connection), ``status`` and ``replace``. Single-threaded: one ``poll`` loop over the socket,
+connections and pidfds; never tensor work, thread pools, CUDA or zmq (:func:`fork_refusal`).
 
-- ``fork``: argv (``python -m MODULE ARGS``), env, cwd, and stdin/stdout/stderr as file
-  descriptors; replies with the child's pid and a pidfd for it, keeps the connection
-  open and writes the child's exit status on it when it reaps the child;
-- ``status``: pid, preload set, forks served, last fork time;
-- ``replace``: start a replacement (with a fresh preload set) and retire.
+Note [Owners]: a zygote lives while an *owner* (a Jupyter server or launcher that asked it for
+kernels) or one of its kernels lives, then for the idle time (Note [Idle zygote]), so nbconvert
+in a loop is warm from its second run. Owners are watched by pidfd; a SIGKILLed server's kernels
+exit on their own (Note [Parent death] in ``_forked/become.py``).
 
-It stays single-threaded: no asyncio, one ``poll`` loop over the listening socket, the
-connections and pidfds (children, owners). It never does tensor work, never starts a
-thread pool, CUDA or zmq, and checks that before every fork (:func:`fork_refusal`).
-
-Note [Owners]: a zygote lives as long as some *owner* (a Jupyter server, or a kernelspec
-launcher, that asked it for kernels) or one of its kernels lives, and then for the idle
-time (Note [Idle zygote]: ``$OVERMIND_LAB_ZYGOTE_IDLE``, default 300 s,
-``_common/zygote_paths.py``), so that nbconvert or papermill in a loop is warm from its
-second run. It watches each owner through a pidfd; a SIGKILLed server leaves its zygote
-for the idle time only (none with ``OVERMIND_LAB_ZYGOTE_IDLE=0``), and its kernels exit on
-their own (Note [Parent death] in ``_forked/become.py``).
-
-Note [Replacing a zygote]: a zygote binds a temporary socket name, imports, and only then
-renames the socket over the public name, so the old zygote keeps serving until the new
-one is ready. The old one notices the rename (its socket's inode is no longer at the
-path) and retires: it stops accepting, and exits once its children are gone (it reaps
-them and reports their exit status). A boot lock keeps one import at a time per identity.
+Note [Replacing a zygote]: a new zygote binds a temporary name, imports, then renames its socket
+over the public name, so the old one serves until it is ready; the old one sees its inode gone,
+stops accepting and exits once its children are reaped. A boot lock: one import per identity.
 """
 
 from __future__ import annotations
@@ -128,22 +115,15 @@ def _stop_library_threads() -> None:
 
     Note [Library state across the fork]
     ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    Besides BLAS pools (Note [BLAS threads]), three libraries keep process state that a
-    fork would share or break; each kernel must start as a fresh process does:
+    Besides BLAS pools (Note [BLAS threads]), state a fork would share or break:
 
-    - tqdm's monitor thread (``tqdm.tqdm.monitor``) starts with the first progress bar,
-      e.g. one a module made at import. The zygote stops it here, or it could never
-      fork; a kernel starts its own with its first bar, as tqdm does.
-    - tqdm's write lock (``TqdmDefaultWriteLock.mp_lock``, a multiprocessing ``RLock``
-      made with the first bar) is a semaphore that every fork would share: a kernel
-      interrupted while printing a bar would block every other kernel's bars. The
-      child drops the inherited lock (``child._fresh_library_state``) and tqdm makes a
-      new one with the kernel's first bar.
-    - HF ``tokenizers`` disables its thread pool in a forked child, with a warning, when
-      the parent had used it. The zygote never encodes, so the pool is unused and the
-      kernel gets it as a fresh process does, governed by the kernel's own
-      ``TOKENIZERS_PARALLELISM`` (the environment is replaced, the C library's too).
-      ``TOKENIZERS_*`` also belongs to the zygote's identity (``_common/zygote_paths.py``).
+    - tqdm's monitor thread starts with the first bar (one made at import): stopped here, or
+      the zygote could never fork; a kernel starts its own.
+    - tqdm's write lock (``TqdmDefaultWriteLock.mp_lock``) is a semaphore every fork would
+      share: the child drops it (``child._fresh_library_state``), tqdm makes a new one.
+    - HF ``tokenizers`` disables its pool in a fork of a parent that used it; the zygote never
+      encodes, so the kernel's pool follows its own ``TOKENIZERS_PARALLELISM`` (``TOKENIZERS_*``
+      is part of the zygote's identity too).
     """
     from overmind_lab._forked.become import tqdm_classes
 
@@ -178,7 +158,7 @@ def _peer_uid_pid(conn: socket.socket) -> tuple[int, int]:
 def _probe_threads(env: dict[str, str], cpus: tuple[int, ...] = ()
                    ) -> subprocess.Popen[str]:
     """A fresh interpreter reports the BLAS thread counts a fresh kernel would have (on
-    ``cpus``, when given: the pools are as large as the CPUs a process may run on)."""
+    ``cpus`` if given: the pools size to the CPUs a process may run on)."""
     # the zygote has one thread, so a function between fork and exec is safe here
     pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     return subprocess.Popen([sys.executable, "-P", "-c", _PROBE], env=env, text=True,
@@ -247,8 +227,8 @@ KERNEL_START_PACKAGES = frozenset({
 
 def _do_preload(paths: ZygotePaths, start_env: dict[str, str] | None = None
                 ) -> tuple[list[str], list[str]]:
-    """Import the preload set; the variables the kernel's own packages set while they
-    were imported go into ``start_env``."""
+    """Import the preload set; variables the kernel's own packages set on import go into
+    ``start_env``."""
     failed: list[str] = []
     for name in wanted_modules(paths):
         if name == "overmind_lab":
@@ -290,13 +270,10 @@ def boot(paths: ZygotePaths, owners: list[int]) -> _State | None:
         before = dict(os.environ)
         start_env: dict[str, str] = {}
         preloaded, failed = _do_preload(paths, start_env)
-        # Note [Environment set at import]: a module may set a variable when imported
-        # (debugpy: ``PYDEVD_USE_FRAME_EVAL``, threadpoolctl: ``KMP_DUPLICATE_LIB_OK``),
-        # which a fresh kernel has once it imported that module; a warm kernel never
-        # imports it again, and its environment replaces the zygote's. Those that the
-        # kernel's own packages set (KERNEL_START_PACKAGES: imported by every kernel as
-        # it starts) the child sets again at start; the others stay unset, and ``status``
-        # lists them.
+        # Note [Environment set at import]: a module may set a variable when imported (debugpy,
+        # threadpoolctl); a warm kernel never imports it again and gets the server's env. Those
+        # set by KERNEL_START_PACKAGES (imported by every kernel) the child sets again at start;
+        # the others stay unset, and ``status`` lists them.
         import_env = {k: v for k, v in os.environ.items()
                       if k not in before and k not in start_env}
         _stop_library_threads()
@@ -305,9 +282,8 @@ def boot(paths: ZygotePaths, owners: list[int]) -> _State | None:
 
         targets = {str(k): int(v) for k, v in json.loads(out or "{}").items()}
         snap = preload.snapshot()
-        # Note [Frozen heap]: a collection in a kernel would touch (write the GC header
-        # of) every object the zygote imported and copy its page: freezing moves them out
-        # of the collector's reach, so the kernels keep sharing those pages.
+        # Note [Frozen heap]: a kernel's collection would write the GC header of every object
+        # the zygote imported, copying its page; frozen, those pages stay shared.
         gc.collect()
         gc.freeze()
         refusal = fork_refusal()
@@ -408,9 +384,8 @@ def _refused(chan: Channel, reason: str) -> None:
 
 def _handle_fork(state: _State, conn: socket.socket, chan: Channel,
                  request: ForkRequest, fds: list[int], peer: int) -> None:
-    """Fork a kernel for ``request``. In the parent it returns once the child said it
-    started (or could not); in the child it never returns (Note [Leaving the zygote's
-    loop] in ``_forked/become.py``)."""
+    """Fork a kernel for ``request``: in the parent, returns once the child started (or could
+    not); the child never returns (Note [Leaving the zygote's loop] in ``_forked/become.py``)."""
     why = _refuse(state, request)
     if why or len(fds) != 3:
         for fd in fds:
@@ -433,8 +408,7 @@ def _handle_fork(state: _State, conn: socket.socket, chan: Channel,
         thread_targets=_targets_for(state, task_inherit), learned_path=state.paths.learned,
         preloaded=frozenset(state.preloaded),
         inherit=task_inherit, ready_fd=ready_w, start_env=state.start_env)
-    # Note [Interrupted at birth] in ``_forked/become.py``: the child unblocks SIGINT when
-    # its handler for the start-up is in place.
+    # Note [Interrupted at birth] in ``_forked/become.py``: the child unblocks SIGINT.
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
     t0 = time.perf_counter()
     pid = os.fork()
@@ -512,7 +486,7 @@ def _booting(paths: ZygotePaths) -> bool:
 
 def _maybe_renew(state: _State) -> None:
     """Note [Replacing a zygote]: a grown preload set is imported by a new zygote in the
-    background; this one serves until it is ready. Checked after a fork, off its path."""
+    background (checked after a fork, off its path)."""
     if state.retiring or time.monotonic() - state.renew_requested < _RENEW_AGAIN_S:
         return
     missing = _missing(state)
@@ -611,9 +585,8 @@ def _loop(state: _State) -> None:
             state.retiring = "replaced by a newer zygote"
         if state.retiring and not state.children:
             return
-        # Note [Idle zygote]: with no owner and no kernel left, it stays for the idle time
-        # (OVERMIND_LAB_ZYGOTE_IDLE), so that the next run (nbconvert, papermill, a VS Code
-        # launcher) is forked; a new owner or kernel resets the clock.
+        # Note [Idle zygote]: with no owner nor kernel, it stays for the idle time so the next
+        # run is forked; a new owner or kernel resets the clock.
         if state.owners or state.children:
             idle_since = None
         elif idle_since is None:
@@ -667,9 +640,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--identity", required=True)
     parser.add_argument("--owner", type=int, action="append", default=[])
     args = parser.parse_args(argv)
-    # Note [Third-party only] in ``_zygote/preload.py``: nothing may be imported from the directory
-    # ``-m`` put first on sys.path (the child puts its own cwd there, as ``-m`` does).
-    # Not ``-P``: that sets sys.flags.safe_path, which a fresh kernel does not have.
+    # Note [Third-party only] in ``_zygote/preload.py``: nothing from the directory ``-m`` puts
+    # first on sys.path (the child adds its cwd, as ``-m`` does); not ``-P`` (safe_path).
     if sys.path and not sys.flags.safe_path and sys.path[0] == os.getcwd():
         del sys.path[0]
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
