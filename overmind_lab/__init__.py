@@ -1,17 +1,15 @@
 """overmind-lab: warm model reloads for notebook development.
 
-The first ``from_pretrained`` (or any call passed to :func:`load`) parks its result in
-shared memory held by a small per-user daemon; every later load, from any process of the
-same user (a restarted kernel), comes back in milliseconds, zero-copy and copy-on-write
-isolated.
+The first ``from_pretrained`` (or any call passed to :func:`load`) parks its result in shared memory
+held by a small per-user daemon; every later load, from any process of the same user (a restarted
+kernel), comes back in milliseconds, zero-copy and copy-on-write isolated.
 
 >>> import overmind_lab                                                # doctest: +SKIP
 >>> unet = overmind_lab.load(UNet2DConditionModel.from_pretrained, "/models/unet")
 
 In a notebook: ``%load_ext overmind_lab`` then ``%overmind_load``.
 
-Importing this package is cheap: torch and the model libraries are imported only when a
-load needs them.
+Importing this package is cheap: torch and the model libraries are imported when a load needs them.
 """
 
 from __future__ import annotations
@@ -58,8 +56,8 @@ from overmind_lab._errors import (
     VerifyMismatch,
 )
 
-# Lazily imported names: the module that defines each. Keeps `import overmind_lab`
-# (and the daemon, which imports this package) free of torch, IPython and ipywidgets.
+# Lazily imported names: the module that defines each. Keeps `import overmind_lab` (and the daemon,
+# which imports this package) free of torch, IPython and ipywidgets.
 _LAZY = {
     "load": "_loading.load", "bypass": "_loading.load", "refreshing": "_loading.load",
     "record_loads": "_loading.load", "verifying": "_loading.load",

@@ -9,11 +9,8 @@
     └── NotCacheable              a call or its result cannot be cached (the caller falls
                                   back to an uncached load; users normally see a warning)
 
-Warnings: ``OvermindWarning`` (the cache stepped aside, the load went on) and its
-subclass ``VerifyMismatch`` (verify mode found a warm hit that differs from a plain load).
-
-Errors from the operating system (``OSError``, ``socket.timeout``) are translated at the
-boundary into these, with ``raise ... from exc`` so the cause stays visible.
+Warnings: ``OvermindWarning`` (the cache stepped aside, the load went on) and its subclass
+``VerifyMismatch``. OS errors are translated at the boundary (``raise ... from exc``).
 """
 
 from __future__ import annotations
@@ -33,10 +30,8 @@ __all__ = [
 
 
 class ErrorKind(str, enum.Enum):
-    """Why the daemon refused a request: the ``kind`` of an ``{"ok": false}`` reply.
-
-    The values are the wire strings; a member compares equal to its string.
-    """
+    """Why the daemon refused a request: the ``kind`` of an ``{"ok": false}`` reply (members compare
+    equal to their wire strings)."""
 
     PERMISSION = "permission"  # another uid's client (SO_PEERCRED)
     BAD_REQUEST = "bad_request"  # malformed request, unknown op, bad segment
@@ -89,8 +84,5 @@ class OvermindWarning(UserWarning):
 
 
 class VerifyMismatch(OvermindWarning):
-    """Verify mode found a warm hit that differs from a plain load.
-
-    The message names the first difference; the plain result was returned and the entry
-    dropped.
-    """
+    """Verify mode found a warm hit that differs from a plain load: the message names the first
+    difference; the plain result was returned and the entry dropped."""

@@ -1,15 +1,14 @@
 """Optional dependencies: which extra brings what, and one clear error when one is missing.
 
-A bare ``pip install overmind-lab`` brings the daemon and the CLI (dill, psutil). Each
-feature that needs more says so before it starts anything (no daemon is started for a load
-that cannot work, no half-written kernelspec):
+A bare ``pip install overmind-lab`` brings the daemon and the CLI; a feature that needs more says
+so before it starts anything (no daemon, no half-written kernelspec):
 
 >>> require("torch", "overmind_lab.load()")                          # doctest: +SKIP
 MissingDependency: overmind_lab.load() needs torch, which is not installed here:
 pip install "overmind-lab[torch]"
 
-Note [Extras]: :data:`EXTRAS` names, for each extra of ``pyproject.toml``, the modules a
-feature of that extra imports; keep the two in step.
+Note [Extras]: :data:`EXTRAS` names, for each extra of ``pyproject.toml``, the modules a feature of
+that extra imports; keep the two in step.
 """
 
 from __future__ import annotations
@@ -35,11 +34,8 @@ EXTRAS: dict[str, tuple[str, ...]] = {
 
 
 class MissingDependency(OvermindError, ModuleNotFoundError):
-    """A feature needs an optional dependency that is not installed.
-
-    The message names the extra that brings it (``pip install "overmind-lab[torch]"``).
-    Also a ``ModuleNotFoundError``, whose ``name`` is the first missing module.
-    """
+    """A feature needs an optional dependency that is not installed; the message names the extra
+    (``pip install "overmind-lab[torch]"``). ``name`` is the first missing module."""
 
 
 def missing(modules: Sequence[str]) -> list[str]:
@@ -59,10 +55,8 @@ def missing(modules: Sequence[str]) -> list[str]:
 
 
 def require(extra: str, feature: str, modules: Sequence[str] | None = None) -> None:
-    """Raise :class:`MissingDependency` unless ``modules`` (default: the extra's) import.
-
-    ``feature`` names what needs them, as the user called it (``"overmind_lab.load()"``).
-    """
+    """Raise :class:`MissingDependency` unless ``modules`` (default: the extra's) import;
+    ``feature`` names what needs them, as the user called it (``"overmind_lab.load()"``)."""
     absent = missing(EXTRAS[extra] if modules is None else modules)
     if absent:
         what = absent[0] if len(absent) == 1 else ", ".join(absent[:-1]) + " and " + absent[-1]

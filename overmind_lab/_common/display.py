@@ -1,5 +1,5 @@
-"""Human formatting shared by the magics, the widget and the examples: binary sizes, durations
-at a glance (``48 ms``, ``3 min 05 s``), tables as aligned text or HTML. No torch."""
+"""Human formatting shared by the magics, the widget and the examples: binary sizes, durations at a
+glance (``48 ms``, ``3 min 05 s``), tables as aligned text or HTML. No torch."""
 
 from __future__ import annotations
 
@@ -51,8 +51,8 @@ def format_seconds(seconds: float | None) -> str:
 
 
 def format_speedup(cold: float | None, warm: float | None) -> str:
-    """How many times faster the warm load was: ``'41x'``, ``'3.0x'``; slower keeps two
-    significant digits (``'0.25x'``), never ``'0.0x'``; ``''`` when not meaningful."""
+    """How many times faster the warm load was: ``'41x'``, ``'3.0x'``; slower keeps two significant
+    digits (``'0.25x'``), never ``'0.0x'``; ``''`` when not meaningful."""
     if not cold or not warm or warm <= 0 or cold <= 0:
         return ""
     ratio = cold / warm
@@ -83,8 +83,8 @@ def format_ago(epoch: float | None, now: float | None = None) -> str:
 
 
 def describe_load(event: Any) -> str:
-    """One line for a ``LoadEvent``, e.g. ``warm 0.05 s (cold load was 2.91 s, 41x)``, then
-    the callable and its main argument after two spaces."""
+    """One line for a ``LoadEvent``, e.g. ``warm 0.05 s (cold load was 2.91 s, 41x)``, then the
+    callable and its main argument after two spaces."""
     outcome = getattr(event, "outcome", "?")
     seconds = format_seconds(getattr(event, "seconds", None))
     cold = getattr(event, "cold_seconds", None)
@@ -188,8 +188,8 @@ def entry_row(entry: EntryJson, now: float | None = None) -> list[str]:
 
 
 def status_line(status: Status) -> str:
-    """``daemon pid 8824 on /run/...sock: 5 entries, 27.5 MiB of 11.8 GiB ...``: the one
-    rendering of a status as a line (magics, widget, ``%overmind_status``)."""
+    """``daemon pid 8824 on /run/...sock: 5 entries, 27.5 MiB of 11.8 GiB ...``: the one rendering
+    of a status as a line (magics, widget, ``%overmind_status``)."""
     if not status.get("running"):
         error = status.get("error")
         return (
@@ -206,8 +206,8 @@ def status_line(status: Status) -> str:
 
 
 class StatusReport:
-    """The daemon status and its entries, as HTML or aligned text; ``%overmind_status``
-    returns one (``.status``, ``.entries``: the daemon's JSON)."""
+    """The daemon status and its entries, as HTML or aligned text; ``%overmind_status`` returns one
+    (``.status``, ``.entries``: the daemon's JSON)."""
 
     def __init__(self, status: Status, entries: list[EntryJson]) -> None:
         self.status = status

@@ -1,15 +1,15 @@
 """What "equal to a plain load" means: one fingerprint of everything a user can observe.
 
 ``fingerprint(obj)`` walks a result as pickle sees it and records, per path, a short text: exact
-classes and aliases (same object), attributes and dict keys in order, sets sorted; modules'
-fields, hook tables with ids, parameters, buffers and submodules at the paths a user writes;
-every tensor's layout, storage sharing, bytes, flags, ``data_ptr() % 64``, grad and its own
-attributes; tokenizers' vocabulary, added tokens, probe ids and JSON; configs' attributes.
+classes and aliases (same object), attributes and dict keys in order, sets sorted; modules' fields,
+hook tables with ids, parameters, buffers and submodules at the paths a user writes; every tensor's
+layout, storage sharing, bytes, flags, ``data_ptr() % 64``, grad and its own attributes; tokenizers'
+vocabulary, added tokens, probe ids and JSON; configs' attributes.
 
 It never raises (``<unreadable: ...>``), and nothing in it depends on addresses, ids or the
-string-hash salt (Note [What differs between two plain loads]). ``difference(a, b)`` names the
-first differing path (``unet.conv_in.weight: data_ptr % 64 4 vs 0``). Standard library only:
-torch and numpy are taken from ``sys.modules``.
+string-hash salt (Note [What differs between two plain loads]). ``difference(a, b)`` names the first
+differing path (``unet.conv_in.weight: data_ptr % 64 4 vs 0``). Standard library only: torch and
+numpy are taken from ``sys.modules``.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ __all__ = ["fingerprint", "difference", "differences", "compare", "PROBES", "INT
 
 Fingerprint = dict[str, str]
 
-#: Strings every tokenizer encodes in a fingerprint: chat markers (added tokens outside
-#: the base vocabulary), unknown words, whitespace runs, non-ASCII text.
+#: Strings every tokenizer encodes in a fingerprint: chat markers (added tokens outside the base
+#: vocabulary), unknown words, whitespace runs, non-ASCII text.
 PROBES = (
     "Hello world!", "<|im_start|>user\nhi<|im_end|>", "<s>[INST] hi [/INST]</s>",
     "  leading and   inner  spaces ", "unbelievably_rare-wordpiece", "naïve café 東京 🙂",
@@ -63,8 +63,8 @@ INTENDED = frozenset({RESIZABLE, ALIGNED64})
 
 def difference(a: Fingerprint, b: Fingerprint, *, names: tuple[str, str] = ("warm", "plain"),
                ignore: frozenset[str] = INTENDED) -> str | None:
-    """The first difference between two fingerprints, described; ``None`` when equal.
-    Facts named in ``ignore`` (by default the ``INTENDED`` ones) do not count."""
+    """The first difference between two fingerprints, described; ``None`` when equal. Facts named in
+    ``ignore`` (by default the ``INTENDED`` ones) do not count."""
     return next(differences(a, b, names=names, ignore=ignore), None)
 
 
@@ -95,8 +95,8 @@ def compare(a: Any, b: Any) -> str | None:
 
 
 def _contrast(a: str, b: str, names: tuple[str, str]) -> str:
-    """``a vs b``, a common ``name value`` prefix said once; for attribute lists, what only one
-    side has, or that the order differs."""
+    """``a vs b``, a common ``name value`` prefix said once; for attribute lists, what only one side
+    has, or that the order differs."""
     if a.startswith("[") and b.startswith("["):
         try:
             la, lb = ast.literal_eval(a), ast.literal_eval(b)
@@ -136,8 +136,8 @@ def _unreadable(exc: BaseException) -> str:
 
 # Note [What differs between two plain loads]: a model loaded plainly in two processes must
 # fingerprint equal. Object identity is recorded as "alias of" the first path (tied weights and
-# cycles still count); lists built from sets of strings are sorted (``_use_default_values``);
-# salted string hashes (``_original_object_hash``) as whether current. Addresses in reprs dropped.
+# cycles still count); lists built from sets of strings are sorted (``_use_default_values``); salted
+# string hashes (``_original_object_hash``) as whether current. Addresses in reprs dropped.
 class _Walker:
     def __init__(self) -> None:
         self.out: Fingerprint = {}
@@ -371,8 +371,7 @@ class _Walker:
             self.visit(t._indices(), _attr(path, "<indices>"), depth + 1)
             self.visit(t._values(), _attr(path, "<values>"), depth + 1)
             self.put(f"{path} coalesced", str(t.is_coalesced()))
-        elif t.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr,
-                          torch.sparse_bsc):
+        elif t.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
             compressed = t.crow_indices() if t.layout in (torch.sparse_csr, torch.sparse_bsr) \
                 else t.ccol_indices()
             plain = t.col_indices() if t.layout in (torch.sparse_csr, torch.sparse_bsr) \
@@ -428,8 +427,7 @@ class _Walker:
         if callable(getattr(tok, "encode", None)):
             probes += [(f"probe {i}", functools.partial(_encoded, tok, text))
                        for i, text in enumerate(PROBES)]
-        backend: Any = getattr(tok, "backend_tokenizer", None) or getattr(tok, "_tokenizer",
-                                                                          None)
+        backend: Any = getattr(tok, "backend_tokenizer", None) or getattr(tok, "_tokenizer", None)
         if callable(getattr(backend, "to_str", None)):
             probes.append(("backend", lambda: _digest(backend.to_str().encode())))
         self.facts(f"{path} tokenizer", probes)

@@ -1,8 +1,8 @@
 """What a kernel inherits from the process that starts it, besides env and cwd.
 
-A forked kernel is the zygote's child, not the server's: the provisioner :func:`observe` s its
-own attributes and sends them with the fork request, the zygote refuses what no child could
-change (:func:`refusal`), and the forked child :func:`apply` s the rest first.
+A forked kernel is the zygote's child, not the server's: the provisioner :func:`observe` s its own
+attributes and sends them with the fork request, the zygote refuses what no child could change
+(:func:`refusal`), and the forked child :func:`apply` s the rest first.
 
 Note [Inherited process attributes]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -33,8 +33,7 @@ __all__ = ["RLIMITS", "NotApplicable", "observe", "refusal", "apply"]
 #: Every resource limit by name (``RLIMIT_OFILE`` is an alias of ``RLIMIT_NOFILE``).
 RLIMITS = sorted(n for n in dir(resource) if n.startswith("RLIMIT_") and n != "RLIMIT_OFILE")
 #: ``/proc/self/status`` lines a process cannot change in itself (or only one way).
-FIXED_STATUS = ("Uid", "CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs",
-                "Seccomp")
+FIXED_STATUS = ("Uid", "CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs", "Seccomp")
 NAMESPACES = ("cgroup", "ipc", "mnt", "net", "pid", "user", "uts", "time")
 
 
@@ -164,8 +163,7 @@ def apply(wanted: dict[str, Any]) -> None:
         _set(f"group ids {wanted['gid']}", os.setresgid, *wanted["gid"])
     for name, limits in wanted["rlimits"].items():
         if name != "RLIMIT_STACK" and list(limits) != mine["rlimits"].get(name):
-            _set(f"{name} {limits}", resource.setrlimit, getattr(resource, name),
-                 tuple(limits))
+            _set(f"{name} {limits}", resource.setrlimit, getattr(resource, name), tuple(limits))
     if wanted["sched"] != mine["sched"]:
         policy, priority = wanted["sched"]
         _set(f"scheduling policy {policy} priority {priority}", os.sched_setscheduler, 0,
@@ -173,8 +171,7 @@ def apply(wanted: dict[str, Any]) -> None:
     if wanted["nice"] != mine["nice"]:
         _set(f"nice {wanted['nice']}", os.setpriority, os.PRIO_PROCESS, 0, wanted["nice"])
     if wanted["affinity"] != mine["affinity"]:
-        _set(f"CPU affinity {wanted['affinity']}", os.sched_setaffinity, 0,
-             wanted["affinity"])
+        _set(f"CPU affinity {wanted['affinity']}", os.sched_setaffinity, 0, wanted["affinity"])
     if wanted["oom_score_adj"] != mine["oom_score_adj"]:
         _set(f"oom_score_adj {wanted['oom_score_adj']}",
              Path("/proc/self/oom_score_adj").write_text, f"{wanted['oom_score_adj']}\n")

@@ -1,12 +1,12 @@
-"""The *learned* modules: third-party modules earlier warm kernels imported, which the next
-zygote of the same identity preloads; a forked kernel records them at exit (Note [Third-party
-only] in ``_zygote/preload.py``).
+"""The *learned* modules: third-party modules earlier warm kernels imported, which the next zygote
+of the same identity preloads; a forked kernel records them at exit (Note [Third-party only] in
+``_zygote/preload.py``).
 
-Note [Importable by name]: a module is learned only when a fresh interpreter imports it by name:
-its top-level module lies directly in the standard library (``lib-dynload`` too) or
-site-packages. debugpy's vendored pydevd lies under ``debugpy/_vendored/``, on ``sys.path``
-only once debugpy put it there: a zygote cannot import it, and would report dozens of unknown
-names as not preloaded. Such modules are neither learned nor read back.
+Note [Importable by name]: a module is learned only when a fresh interpreter imports it by name: its
+top-level module lies directly in the standard library (``lib-dynload`` too) or site-packages.
+debugpy's vendored pydevd lies under ``debugpy/_vendored/``, on ``sys.path`` only once debugpy put
+it there: a zygote cannot import it, and would report dozens of unknown names as not preloaded. Such
+modules are neither learned nor read back.
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ def _top_level_ok(top: str) -> bool:
 
 
 def importable_by_name(name: str) -> bool:
-    """Whether a fresh interpreter imports ``name`` from the standard library or
-    site-packages (Note [Importable by name])."""
+    """Whether a fresh interpreter imports ``name`` from the standard library or site-packages
+    (Note [Importable by name])."""
     top = name.partition(".")[0]
     mod = sys.modules.get(top)
     if mod is None:
@@ -92,8 +92,8 @@ def is_third_party(path: str | None) -> bool:
 
 
 def third_party_modules(names: Iterable[str] | None = None) -> list[str]:
-    """The imported modules (of ``names``, default all) that are third-party and importable by
-    name."""
+    """The imported modules (of ``names``, default all) that are third-party and importable by name.
+    """
     out = []
     tops: dict[str, bool] = {}
     for name in list(sys.modules) if names is None else names:

@@ -1,19 +1,19 @@
-"""The wire messages, typed: the daemon's (a request and a reply per operation), and the
-zygote's (Note [The zygote's wire]). Both sides import these; a frame is a JSON object
+"""The wire messages, typed: the daemon's (a request and a reply per operation), and the zygote's
+(Note [The zygote's wire]). Both sides import these; a frame is a JSON object
 (``_common.protocol``).
 
 Daemon operations (``Op``): ``hello``/``status`` `StatusRequest` -> `StatusReply`; ``lookup``
-`LookupRequest` -> any number of `WaitReply` while another process loads the key, then `HitReply`
-(+ segment fds) or `LeaseReply` (you load it); ``reserve`` -> `ReserveReply` (+ one writable
-fd); ``link`` -> `LinkReply`; ``store`` -> `StoreReply`; ``abandon`` `KeyRequest` -> `OkReply`;
+`LookupRequest` -> any number of `WaitReply` while another process loads the key, then `HitReply` (+
+segment fds) or `LeaseReply` (you load it); ``reserve`` -> `ReserveReply` (+ one writable fd);
+``link`` -> `LinkReply`; ``store`` -> `StoreReply`; ``abandon`` `KeyRequest` -> `OkReply`;
 ``report`` -> none; ``list`` -> `ListReply` (`EntryJson` each); ``evict``/``evict_all`` ->
 `EvictReply`; ``refresh`` -> `RefreshReply`; ``stop`` -> `StopReply`. Any may be refused with
 `ErrorReply` (``ok: false``, an ``ErrorKind`` as ``kind``, a sentence as ``error``).
 
-`JsonObject` marks JSON the daemon never looks into: an entry's ``meta`` (``_loading.load``),
-the ``validate`` record (``_daemon.persist``) and a replayable call's arguments. The types
-describe what is sent, not a validation: receivers convert each field they read, and a request
-lacking a needed field ends its connection, logged.
+`JsonObject` marks JSON the daemon never looks into: an entry's ``meta`` (``_loading.load``), the
+``validate`` record (``_daemon.persist``) and a replayable call's arguments. The types describe what
+is sent, not a validation: receivers convert each field they read, and a request lacking a needed
+field ends its connection, logged.
 """
 
 from __future__ import annotations
@@ -310,11 +310,11 @@ class RefreshResult(TypedDict, total=False):
 
 # -- the zygote's wire ----------------------------------------------------------------------
 # Note [The zygote's wire]: the provisioner and the launcher (``_common.zygote_client``) and
-# ``overmind-lab kernel status|restart-zygote`` talk to a zygote over its Unix socket, in the
-# frames of ``_common.protocol``: ``fork`` `ForkRequest` + stdin, stdout, stderr fds ->
-# `ForkReply` + a pidfd, later one `ExitReport` on the same connection once reaped; ``status``
-# -> `ZygoteStatus`; ``replace`` -> `ReplaceReply` (Note [Replacing a zygote]); ``owner`` ->
-# `OkReply` (Note [Owners]); any may be refused: `ZygoteRefusal` (``ok: false``, ``reason``).
+# ``overmind-lab kernel status|restart-zygote`` talk to a zygote over its Unix socket, in the frames
+# of ``_common.protocol``: ``fork`` `ForkRequest` + stdin, stdout, stderr fds -> `ForkReply` + a
+# pidfd, later one `ExitReport` on the same connection once reaped; ``status`` -> `ZygoteStatus`;
+# ``replace`` -> `ReplaceReply` (Note [Replacing a zygote]); ``owner`` -> `OkReply` (Note [Owners]);
+# any may be refused: `ZygoteRefusal` (``ok: false``, ``reason``).
 
 #: The zygote's operations, as the ``"op"`` of a request.
 ZygoteOp = Literal["fork", "status", "replace", "owner"]

@@ -1,8 +1,7 @@
 """Names both sides agree on: where the daemon lives, environment variables, segment names.
 
-The socket sits in a 0700 per-user directory: ``$XDG_RUNTIME_DIR/overmind-lab/`` when that
-is set and usable, else ``/tmp/overmind-lab-<uid>/``. ``OVERMIND_LAB_SOCKET`` overrides the
-socket path (tests, benchmarks, several caches side by side).
+The socket sits in a 0700 per-user directory (``$XDG_RUNTIME_DIR/overmind-lab/``, else
+``/tmp/overmind-lab-<uid>/``); ``OVERMIND_LAB_SOCKET`` overrides it.
 """
 
 from __future__ import annotations
@@ -22,8 +21,8 @@ __all__ = [
 SOCKET_ENV = "OVERMIND_LAB_SOCKET"
 BUDGET_ENV = "OVERMIND_LAB_BUDGET"
 CACHE_DIR_ENV = "OVERMIND_LAB_CACHE_DIR"
-#: A memfd segment (the fallback tier) is named ``overmind-lab:<segment id>``: the daemon
-#: finds holders by it (segment files by their path in the cache directory).
+#: A memfd segment (the fallback tier) is named ``overmind-lab:<segment id>``: the daemon finds
+#: holders by it (segment files by their path in the cache directory).
 MEMFD_PREFIX = "overmind-lab:"
 #: The seals a writer adds to a finished segment and the daemon requires before it keeps one.
 SEGMENT_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -70,13 +69,10 @@ def ensure_private_dir(path: Path) -> None:
         os.chmod(path, 0o700)
 
 
-# Note [Lifetime lock]: a running daemon holds an exclusive ``flock`` on ``<socket>.lock``
-# from before it binds until it exits, and the kernel drops the lock when the process dies,
-# however it dies. So whoever takes the lock knows that no daemon owns the socket: a socket
-# file found then is stale (its daemon crashed or was killed) and is unlinked and rebound.
-# Whoever cannot take it knows a live daemon owns the socket, even one still starting up,
-# and leaves the socket alone. The socket file alone proves nothing: connect() to a dead
-# daemon's socket fails, but so does connect() to a daemon that has not yet called listen().
+# Note [Lifetime lock]: a daemon holds an exclusive ``flock`` on ``<socket>.lock`` from before it
+# binds until it exits (the kernel drops it however it dies). Whoever takes the lock knows a socket
+# file found is stale and may unlink it; whoever cannot knows a live daemon, even one starting,
+# owns it. The socket alone proves nothing: connect() also fails before a daemon's listen().
 def lock_path(socket: Path) -> Path:
     """The daemon's lifetime lock beside its socket (``Note [Lifetime lock]``)."""
     return socket.with_name(socket.name + ".lock")

@@ -2,9 +2,9 @@
 length, a UTF-8 JSON object saying how many fds (``"nfds"``) rode with its first bytes.
 :class:`Channel` is the blocking client side (timeouts), :class:`AsyncChannel` the daemon's.
 
-Note [Descriptor ownership]: a received descriptor is the receiver's to close (or keep on
-purpose, as the daemon does segment fds); a frame with unannounced descriptors is a protocol
-error and they are closed.
+Note [Descriptor ownership]: a received descriptor is the receiver's to close (or keep on purpose,
+as the daemon does segment fds); a frame with unannounced descriptors is a protocol error and they
+are closed.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Asking a zygote: start one, fork a kernel from it, follow that kernel, query it. Shared by
-the provisioner and the launcher; ``kernel status|restart-zygote`` use :func:`ask` (Note [The
-zygote's wire]). No jupyter_client, torch or zygote code: a launch the zygote cannot serve
-raises :class:`WarmUnavailable` and the caller starts a plain kernel.
+"""Asking a zygote: start one, fork a kernel from it, follow that kernel, query it. Shared by the
+provisioner and the launcher; ``kernel status|restart-zygote`` use :func:`ask`
+(Note [The zygote's wire]). No jupyter_client, torch or zygote code: a launch the zygote cannot
+serve raises :class:`WarmUnavailable` and the caller starts a plain kernel.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ _ORIG = "OVERMIND_LAB_ORIG_"
 
 
 def kernel_argv(argv: list[str]) -> list[str]:
-    """The kernel's own command for a launcher command (``python -m LAUNCHER ARGS`` ->
-    ``python -m ipykernel_launcher ARGS``); any other command as it is."""
+    """The kernel's own command for a launcher command (``python -m LAUNCHER ARGS`` -> ``python -m
+    ipykernel_launcher ARGS``); any other command as it is."""
     if len(argv) >= 3 and argv[1] == "-m" and argv[2] == LAUNCHER_MODULE:
         return [argv[0], "-m", KERNEL_MODULE, *argv[3:]]
     return list(argv)
@@ -170,8 +170,8 @@ def spawn(paths: ZygotePaths, owners: list[int], env: dict[str, str]) -> None:
     for k in ZYGOTE_ONLY_ENV:
         if k in env and _ORIG + k not in env:
             env[_ORIG + k] = env[k]
-    # Note [BLAS threads] in ``_zygote/loop.py``: with one thread OpenBLAS starts no pool at
-    # import; the child sets a fresh process's count.
+    # Note [BLAS threads] in ``_zygote/loop.py``: with one thread OpenBLAS starts no pool at import;
+    # the child sets a fresh process's count.
     env["OPENBLAS_NUM_THREADS"] = "1"
     env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     cmd = [sys.executable, "-m", "overmind_lab._zygote", "--socket",

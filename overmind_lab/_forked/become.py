@@ -1,9 +1,9 @@
 """In a forked child of the zygote: become a kernel exactly as a fresh process would.
 
-``run_and_exit`` runs in the child right at the fork (Note [Leaving the zygote's loop]), after
-the zygote's descriptors were closed: it makes the process look like ``python -m MODULE ARGS``
-started fresh, runs the module as ``__main__`` (``runpy``), and exits as a fresh interpreter
-would (Note [Fast exit]). What a fresh process has and a fork would not, set in this order:
+``run_and_exit`` runs in the child right at the fork (Note [Leaving the zygote's loop]), after the
+zygote's descriptors were closed: it makes the process look like ``python -m MODULE ARGS`` started
+fresh, runs the module as ``__main__`` (``runpy``), and exits as a fresh interpreter would
+(Note [Fast exit]). What a fresh process has and a fork would not, set in this order:
 
 - the server's process attributes (Note [Inherited process attributes], ``_common/inherit.py``)
   first: a child that cannot take them on exits and tells the zygote why (the launch is plain);
@@ -19,19 +19,19 @@ would (Note [Fast exit]). What a fresh process has and a fork would not, set in 
   probed once per zygote and CPU affinity, set through threadpoolctl (torch's intra-op pool
   never started in the zygote and reads the kernel's ``OMP_NUM_THREADS``).
 
-Note [Interrupted at birth]: jupyter_client interrupts a kernel before shutting it down, so a
-quick second restart sends SIGINT to a kernel still starting (whose ``KeyboardInterrupt``
-traceback went to the server log). The zygote blocks SIGINT across the fork; an ipykernel
-child installs a handler that drops it, then unblocks it; ipykernel's ``init_signal`` replaces
-that with ``SIG_IGN``, so the kernel sees a fresh kernel's dispositions and mask.
+Note [Interrupted at birth]: jupyter_client interrupts a kernel before shutting it down, so a quick
+second restart sends SIGINT to a kernel still starting (whose ``KeyboardInterrupt`` traceback went
+to the server log). The zygote blocks SIGINT across the fork; an ipykernel child installs a handler
+that drops it, then unblocks it; ipykernel's ``init_signal`` replaces that with ``SIG_IGN``, so the
+kernel sees a fresh kernel's dispositions and mask.
 
-Note [What a warm kernel does not share with a fresh one]: intended differences (a fork cannot
-avoid them), listed by ``overmind-lab kernel status`` (:data:`INTENDED_DIFFERENCES`, and
+Note [What a warm kernel does not share with a fresh one]: intended differences (a fork cannot avoid
+them), listed by ``overmind-lab kernel status`` (:data:`INTENDED_DIFFERENCES`, and
 Note [Environment set at import]); ``tests/test_warm_kernel_fresh.py`` compares the rest.
 
 Note [Parent death]: ipykernel's parent poller watches ``getppid()``, the zygote here. The zygote
-hands the child a pidfd of the server; a daemon thread waits on it and exits as ipykernel's
-poller does (``os._exit(1)``), within a second of the server's death, even a SIGKILL. Only with
+hands the child a pidfd of the server; a daemon thread waits on it and exits as ipykernel's poller
+does (``os._exit(1)``), within a second of the server's death, even a SIGKILL. Only with
 ``JPY_PARENT_PID`` (non-independent kernels); ipykernel's own poller is off.
 """
 
@@ -181,9 +181,9 @@ def _watch_parent(pidfd: int) -> None:
 
 
 def _parent_handle_from_env() -> None:
-    """``IPKernelApp.parent_handle`` read ``JPY_PARENT_PID`` when the zygote imported it. With
-    a parent, use 1: ipykernel starts no poller (it would watch the zygote: Note [Parent
-    death]) and prints no "Ctrl-C will not work" banner, as for a fresh kernel with a parent."""
+    """``IPKernelApp.parent_handle`` read ``JPY_PARENT_PID`` when the zygote imported it. With a
+    parent, use 1: ipykernel starts no poller (it would watch the zygote: Note [Parent death]) and
+    prints no "Ctrl-C will not work" banner, as for a fresh kernel with a parent."""
     app = sys.modules.get("ipykernel.kernelapp")
     if app is not None:
         value = 1 if os.environ.get("JPY_PARENT_PID") else 0
@@ -207,8 +207,8 @@ def _learn_at_exit(task: ForkTask) -> None:
 
 
 def _take_on_server_attributes(task: ForkTask) -> None:
-    """Note [Inherited process attributes]: tell the zygote on ``ready_fd`` whether this
-    child took on the server's attributes; exit at once if it could not."""
+    """Note [Inherited process attributes]: tell the zygote on ``ready_fd`` whether this child took
+    on the server's attributes; exit at once if it could not."""
     try:
         inherit.apply(task.inherit)
     except Exception as exc:  # noqa: BLE001 - any failure: say why, the launch goes plain
@@ -271,10 +271,10 @@ def run(task: ForkTask) -> int:
 def run_and_exit(task: ForkTask) -> NoReturn:
     """In the child, right after the fork: become the kernel, run it, exit.
 
-    Note [Leaving the zygote's loop]: as ``multiprocessing.forkserver`` does, the child works at
-    the fork site and exits there (:func:`exit_now`), never returning into the zygote's loop:
-    its frames stay unused on the stack (``_close_for_child`` closed their descriptors), and
-    anything :func:`run` lets out is printed as the interpreter would, with status 1.
+    Note [Leaving the zygote's loop]: as ``multiprocessing.forkserver`` does, the child works at the
+    fork site and exits there (:func:`exit_now`), never returning into the zygote's loop: its frames
+    stay unused on the stack (``_close_for_child`` closed their descriptors), and anything
+    :func:`run` lets out is printed as the interpreter would, with status 1.
     """
     code = 1
     try:
@@ -285,9 +285,9 @@ def run_and_exit(task: ForkTask) -> NoReturn:
 
 
 def exit_now(code: int) -> NoReturn:
-    """Note [Fast exit]: exit as the interpreter would, minus tearing down thousands of
-    preloaded modules (1.5 s more than a plain kernel's exit, which a restart waits for). What a
-    program can observe still happens in order: threads joined, ``atexit``, stdio flushed."""
+    """Note [Fast exit]: exit as the interpreter would, minus tearing down thousands of preloaded
+    modules (1.5 s more than a plain kernel's exit, which a restart waits for). What a program can
+    observe still happens in order: threads joined, ``atexit``, stdio flushed."""
     threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):

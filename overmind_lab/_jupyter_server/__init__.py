@@ -1,15 +1,9 @@
 """Jupyter server extension: the REST API behind the JupyterLab sidebar.
 
-Routes live under ``<base_url>/overmind-lab/api/v1/`` (see ``handlers``); each one talks
-to the per-user daemon through :class:`overmind_lab.Client`. The extension is enabled by
-``jupyter-config/jupyter_server_config.d/overmind_lab.json``, installed with the package;
-by hand::
-
-    jupyter server extension enable overmind_lab._jupyter_server
-
-Importing this module is cheap: no tornado, no torch. ``jupyter server extension list``
-and ``jupyter labextension`` import it through ``overmind_lab`` for the two discovery
-functions below; the handlers are imported only when a server loads the extension.
+Routes under ``<base_url>/overmind-lab/api/v1/`` (``handlers``) talk to the daemon through
+:class:`overmind_lab.Client`. Enabled by
+``jupyter-config/jupyter_server_config.d/overmind_lab.json`` or ``jupyter server extension
+enable overmind_lab._jupyter_server``. Importing it is cheap (no tornado, no torch): the handlers are imported only when a server loads the extension.
 """
 
 from __future__ import annotations
@@ -28,9 +22,7 @@ def _jupyter_server_extension_points() -> list[dict[str, str]]:
 
 
 def _jupyter_labextension_paths() -> list[dict[str, str]]:
-    # ``src`` is relative to the package that exposes this function: ``overmind_lab``
-    # re-exports it, so it names ``overmind_lab/labextension`` (the build output of
-    # package.json's ``jupyterlab.outputDir``).
+    # ``src`` is relative to ``overmind_lab``, which re-exports this: its ``labextension`` folder.
     return [{"src": "labextension", "dest": "overmind-lab"}]
 
 

@@ -1,31 +1,16 @@
-"""REST handlers of the overmind-lab Jupyter server extension.
+"""REST handlers of the overmind-lab Jupyter server extension, under
+``<base_url>/overmind-lab/api/v1/``, behind Jupyter's authentication (403 without a token). JSON in
+and out; an error is ``{"message": ..., "kind": ...}``.
 
-All routes live under ``<base_url>/overmind-lab/api/v1/`` and require Jupyter's
-authentication (``APIHandler`` + ``@tornado.web.authenticated``: no token, no answer but
-403). Answers and errors are JSON; an error is ``{"message": ..., "kind": ...}``.
+``GET status`` (with system memory), ``GET entries`` (most recently used first), ``GET
+entries/<key>``, ``POST entries/<key>/evict`` and ``evict-all`` (``{"evicted": [keys]}``), ``POST
+entries/<key>/refresh`` (202, ``{"entry": ...}``), ``POST daemon/start``, ``GET zygotes`` (pid,
+preloaded modules, RSS/PSS, forks), ``POST zygotes/restart`` (``{"restarted": [pids]}``). ``<key>``
+resolves as the daemon does (``match_keys``).
 
-==========================================  ====================================================
-``GET  status``                             daemon status (``running: false`` when it is down)
-                                            with system memory total and available
-``GET  entries``                            ``{"entries": [...]}``, most recently used first
-``GET  entries/<key>``                      one entry
-``POST entries/<key>/evict``                ``{"evicted": [keys]}``
-``POST entries/<key>/refresh``              ``{"entry": {...}}`` (202: runs in the daemon)
-``POST evict-all``                          ``{"evicted": [keys]}``
-``POST daemon/start``                       status after starting the daemon if needed
-``GET  zygotes``                            ``{"zygotes": [...]}``: warm-kernel zygotes (pid,
-                                            preloaded modules, RSS/PSS, forks, last fork ms)
-``POST zygotes/restart``                    ``{"restarted": [pids]}``: each zygote starts a
-                                            replacement with fresh imports and retires
-==========================================  ====================================================
-
-``<key>`` names one entry the way the daemon resolves it (``_common.lookup.match_keys``):
-its hex key, a prefix of it, or its display name, matching exactly one entry.
-
-The two ``GET`` routes are what the sidebar polls; they do not count as user activity
-(``_track_activity = False``), so an open sidebar does not keep an idle server from being
-culled. Every daemon call is a short blocking socket call: it runs on a small thread pool
-of its own, never on the event loop, and never on the server's default executor.
+The sidebar's polls (the ``GET`` routes) are not user activity (``_track_activity = False``), so an
+open sidebar does not keep an idle server from being culled. Daemon calls are short blocking socket
+calls, run on a thread pool of the extension's own, never the event loop.
 """
 
 from __future__ import annotations
@@ -86,22 +71,18 @@ class OvermindLab(Configurable):
         self.api_root = ""
 
     def client(self) -> Client:
-        # A client per call: it reads OVERMIND_LAB_SOCKET when built and holds no
-        # connection between calls, and the handlers run in several threads.
+        # A client per call: it reads OVERMIND_LAB_SOCKET when built and holds no connection.
         from overmind_lab._loading.client import Client
 
         return Client(socket_path=self.socket_path)
 
     async def call(self, fn: Callable[[Client], T]) -> T:
         """Run ``fn(client)`` on the extension's thread pool."""
-        return await IOLoop.current().run_in_executor(
-            self.executor, lambda: fn(self.client())
-        )
+        return await IOLoop.current().run_in_executor(self.executor, lambda: fn(self.client()))
 
 
 def _with_memory(status: Status) -> Status:
-    # The daemon reports system memory itself; when it is down we read it here so the
-    # sidebar's memory bar still has something true to show.
+        # The daemon reports system memory; when it is down, read here for the sidebar's bar.
     if status.get("memory_total_bytes") is None:
         status["memory_total_bytes"] = total_memory()
     if status.get("memory_available_bytes") is None:
@@ -130,8 +111,7 @@ class _Handler(APIHandler):
         self.finish(json.dumps(data))
 
     def fail(self, status: int, kind: str, message: str) -> None:
-        # Written by hand rather than raised as HTTPError: messages quote keys from
-        # the URL, and HTTPError would %-format them.
+        # Written by hand: HTTPError would %-format messages that quote keys from the URL.
         self.set_status(status)
         self.finish(json.dumps({"message": message, "kind": kind}))
 

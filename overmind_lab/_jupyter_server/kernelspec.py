@@ -1,13 +1,12 @@
 """``overmind-lab kernel install|status|uninstall|restart-zygote``.
 
-``install`` writes a kernelspec whose metadata selects the ``overmind-lab-warm``
-provisioner (Jupyter) and whose argv, ``python -m overmind_lab._launcher -f
-{connection_file}`` with this interpreter, is warm too where a frontend runs it itself
-without provisioners (VS Code: ``_launcher``).
-``status`` and ``restart-zygote`` talk to the zygotes in the zygote directory that this
-Python environment made (Note [Environments share an interpreter] in
-``_common/zygote_paths.py``): two environments whose sockets share a directory never list
-or replace each other's.
+``install`` writes a kernelspec whose metadata selects the ``overmind-lab-warm`` provisioner
+(Jupyter) and whose argv, ``python -m overmind_lab._launcher -f {connection_file}`` with this
+interpreter, is warm too where a frontend runs it itself without provisioners (VS Code:
+``_launcher``). ``status`` and ``restart-zygote`` talk to the zygotes in the zygote directory that
+this Python environment made (Note [Environments share an interpreter] in
+``_common/zygote_paths.py``): two environments whose sockets share a directory never list or replace
+each other's.
 """
 
 from __future__ import annotations
@@ -57,8 +56,7 @@ def install(name: str = DEFAULT_NAME, display_name: str = DISPLAY_NAME, *,
     from jupyter_client.kernelspec import KernelSpecManager
 
     with tempfile.TemporaryDirectory() as tmp:
-        Path(tmp, "kernel.json").write_text(json.dumps(kernel_json(display_name, env),
-                                                       indent=1))
+        Path(tmp, "kernel.json").write_text(json.dumps(kernel_json(display_name, env), indent=1))
         return str(KernelSpecManager().install_kernel_spec(
             tmp, kernel_name=name, user=user, prefix=prefix))
 
@@ -101,8 +99,7 @@ def _own(directory: Path) -> list[tuple[Path, ZygoteStatus]]:
 
 
 def zygotes(directory: Path | None = None) -> list[dict[str, Any]]:
-    """The status of every zygote of this environment in ``directory`` (default: the
-    zygote dir)."""
+    """The status of every zygote of this environment in ``directory`` (default: the zygote dir)."""
     directory = zygote_dir() if directory is None else directory
     out = []
     for _path, status in _own(directory):
@@ -113,8 +110,7 @@ def zygotes(directory: Path | None = None) -> list[dict[str, Any]]:
 
 
 def restart_zygotes(directory: Path | None = None) -> list[int]:
-    """Ask every zygote of this environment to start a replacement (fresh imports) and
-    retire."""
+    """Ask every zygote of this environment to start a replacement (fresh imports) and retire."""
     directory = zygote_dir() if directory is None else directory
     pids = []
     for path, _status in _own(directory):
@@ -147,8 +143,7 @@ def cmd_kernel(args: argparse.Namespace) -> int:
     elif args.action == "restart-zygote":
         pids = restart_zygotes()
         result = {"restarted": pids}
-        text = (f"replacing {len(pids)} zygote(s): {pids}" if pids
-                else "no zygote running")
+        text = (f"replacing {len(pids)} zygote(s): {pids}" if pids else "no zygote running")
     else:
         result = zygotes()
         lines = [f"zygote {z['pid']}  {z['python']}  {z['preloaded']} modules "

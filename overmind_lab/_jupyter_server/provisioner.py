@@ -1,19 +1,14 @@
 """The ``overmind-lab-warm`` kernel provisioner: kernels forked from a zygote.
 
-It is jupyter_client's ``LocalProvisioner`` (whose ``pre_launch`` picks the ports, writes
-the connection file and substitutes the command) with a different way to start and to
-follow the kernel process: ``launch_kernel`` asks the zygote of this interpreter and
-environment to fork the kernel, passing the command, env, cwd and this process's
-stdout/stderr; ``poll``/``wait``/``send_signal``/``kill``/``terminate`` go through a
-pidfd of the kernel, so that a pid the system reused is never signalled; ``cleanup``
-closes it. With the request go the server's own process attributes (umask, nice,
-limits, groups, cgroup...: Note [Inherited process attributes] in ``_common/inherit.py``), which a
-plain kernel would inherit; a zygote that cannot give them to its child refuses.
+jupyter_client's ``LocalProvisioner`` (``pre_launch`` picks the ports and writes the connection
+file) with another way to start and follow the kernel: ``launch_kernel`` asks the zygote of this
+interpreter and environment to fork it, passing command, env, cwd, stdout/stderr and the server's
+process attributes (Note [Inherited process attributes]); ``poll``, ``wait`` and the signals go
+through a pidfd, never a reused pid; ``cleanup`` closes it.
 
-Note [Never worse than plain]: any failure of the warm path (no zygote yet, a stale one,
-one that refuses to fork or died, not Linux) launches a plain kernel with
-``LocalProvisioner.launch_kernel`` and logs one line that says why. When no zygote runs,
-one is started in the background for the next launch.
+Note [Never worse than plain]: any failure of the warm path (no zygote yet, a stale one, a refusal,
+not Linux) launches a plain kernel with ``LocalProvisioner.launch_kernel`` and logs one line why;
+when no zygote runs, one is started in the background for the next launch.
 """
 
 from __future__ import annotations
@@ -87,8 +82,7 @@ class WarmProvisioner(LocalProvisioner):
             env["JPY_PARENT_PID"] = str(os.getpid())  # as jupyter_client's launcher does
         t0 = time.perf_counter()
         try:
-            # Here, in the event loop's thread, which would fork a plain kernel: nice, CPU
-            # affinity and the scheduling policy are per thread.
+            # In the event loop's thread, which would fork a plain kernel (nice etc. per thread).
             attributes = _observe()
             stdio = _stdio_fds(kwargs)
             try:

@@ -1,33 +1,19 @@
 """``python -m overmind_lab._launcher -f CONNECTION_FILE``: the warm kernelspec's argv.
 
-This is a process of its own: the kernel's stand-in, started by whatever runs the
-kernelspec's argv.
+The provisioner turns this command back into ``python -m ipykernel_launcher ...``
+(``zygote_client.kernel_argv``). Frontends that run a kernelspec's argv as it stands (VS Code,
+scripts) run this process, the kernel's stand-in, which:
 
-Jupyter starts the warm kernelspec through its provisioner
-(``_jupyter_server/provisioner.py``), which turns this command back into ``python -m
-ipykernel_launcher ...`` (``zygote_client.kernel_argv``) and asks the zygote itself.
-Frontends that run a kernelspec's argv as it stands, without jupyter_client's
-provisioners (VS Code's Jupyter extension, scripts), run this module,
-which does the same from inside the kernel's process slot:
+- asks the zygote to fork ``ipykernel_launcher`` with its own argv, env, cwd and stdio, and
+  stays as the process the frontend watches and signals;
+- forwards SIGINT and SIGTERM to the kernel, and exits with its status (or signal);
+- if killed, even by SIGKILL, the kernel exits within a second (Note [Parent death]);
+- if no zygote can serve, ``exec``\\s a plain ``python -m ipykernel_launcher`` with the same
+  arguments, saying why on stderr (none running starts one for the next launch).
 
-- it asks the zygote of this interpreter and environment to fork ``ipykernel_launcher``
-  with its own argv, environment, working directory and stdin/stdout/stderr, and stays
-  as the kernel's stand-in: the process the frontend started, watches and signals;
-- SIGINT (a frontend's interrupt) and SIGTERM (its shutdown) go on to the kernel, as the
-  provisioner sends them;
-- it exits with the kernel's exit status (a kernel ended by a signal ends it by the same
-  signal);
-- if it is killed, even by SIGKILL, the kernel exits within a second: the fork request
-  asks the zygote to give the kernel a pidfd of its requester (Note [Parent death] in
-  ``_forked/become.py``);
-- if no zygote can serve (none runs yet, which starts one for the next launch; a stale
-  one; not Linux), it ``exec``\\s a plain ``python -m ipykernel_launcher`` with the same
-  arguments in its own place, and says why in one line on stderr.
-
-Note [Launcher in a forked kernel]: a kernel forked by the zygote for the provisioner
-runs ``ipykernel_launcher`` directly; if one ever runs this module (a provisioner that
-passed the command unchanged), it runs ``ipykernel_launcher`` in place instead of asking
-the zygote again.
+Note [Launcher in a forked kernel]: a forked kernel runs ``ipykernel_launcher`` directly; if one
+ever runs this module (a provisioner passed the command unchanged), it runs ``ipykernel_launcher``
+in place rather than ask the zygote again.
 """
 
 from __future__ import annotations
@@ -50,8 +36,7 @@ _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, sign
 def _exec_plain(args: list[str], why: str | None) -> NoReturn:
     if why:
         print(f"overmind-lab: launching a plain kernel: {why}", file=sys.stderr, flush=True)
-    # An ignored signal stays ignored across exec, and Python installs its SIGINT handler
-    # (KeyboardInterrupt) only where SIGINT is not ignored: the kernel gets the default.
+    # An ignored signal stays ignored across exec (no KeyboardInterrupt): restore the default.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.execv(sys.executable, [sys.executable, "-m", KERNEL_MODULE, *args])
 
@@ -117,8 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not sys.platform.startswith("linux"):
         _exec_plain(args, f"warm kernels need Linux (this is {sys.platform})")
-    # A frontend's interrupt while the kernel is being forked has no cell to interrupt yet
-    # (as for a kernel still starting): it must not end the launcher.
+    # An interrupt while the kernel is forked has no cell to interrupt: it must not end us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         kernel = _fork(args)

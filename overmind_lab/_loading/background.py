@@ -1,14 +1,13 @@
 """Storing a large cold result in a forked process, so that the first load returns at once.
 
-Note [Storing in a forked process]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-A first load is the plain load plus its store (pickling ~0.1 s for an SD UNet, writing 1.7 GB
-0.5-0.9 s). A large result's caller gets the loader's own object, and the store needs only a
-consistent picture of it. A thread cannot give one (the caller may change the model in place
-right away, leaving a mix in the cache); ``fork()`` does, copy-on-write. So for results with at
-least ``MIN_BYTES`` of CPU tensors, ``start`` forks and the child runs the whole store on the
-load's session, whose socket it inherited (the lease is tied to that connection: others wait
-for the child). The caller closes its copy silently and returns. The rules:
+Note [Storing in a forked process] ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~ A first load is the plain load
+plus its store (pickling ~0.1 s for an SD UNet, writing 1.7 GB 0.5-0.9 s). A large result's caller
+gets the loader's own object, and the store needs only a consistent picture of it. A thread cannot
+give one (the caller may change the model in place right away, leaving a mix in the cache);
+``fork()`` does, copy-on-write. So for results with at least ``MIN_BYTES`` of CPU tensors, ``start``
+forks and the child runs the whole store on the load's session, whose socket it inherited (the lease
+is tied to that connection: others wait for the child). The caller closes its copy silently and
+returns. The rules:
 
 - Signals are blocked around ``fork()``; the child starts its own session (``setsid``: a
   kernel's interrupt and restart ``killpg`` miss it, so the store lands), ignores
@@ -24,9 +23,9 @@ for the child). The caller closes its copy silently and returns. The rules:
 - Only CPU tensors (CUDA does not survive a fork); other results, small ones, ``fork()``
   failures and ``$OVERMIND_LAB_BACKGROUND_STORE=never`` store synchronously.
 
-The caller pays the fork (13-17 ms of page tables for an SD UNet or a 1.1B Llama) and a page
-copy per first write while the child lives (a second or two). ``overmind-lab list`` shows the
-entry about a second later; ``wait_for_stores()`` waits for this process's stores.
+The caller pays the fork (13-17 ms of page tables for an SD UNet or a 1.1B Llama) and a page copy
+per first write while the child lives (a second or two). ``overmind-lab list`` shows the entry about
+a second later; ``wait_for_stores()`` waits for this process's stores.
 """
 
 from __future__ import annotations
@@ -49,8 +48,8 @@ from overmind_lab._loading import segments
 __all__ = ["BACKGROUND_ENV", "MIN_BYTES", "REASON", "StoreOutcome", "wanted", "start",
            "pending_stores", "wait_for_stores"]
 
-#: ``auto`` (default: results with at least ``MIN_BYTES`` of CPU tensors), ``always``
-#: (every result whose tensors are all on the CPU) or ``never``.
+#: ``auto`` (default: results with at least ``MIN_BYTES`` of CPU tensors), ``always`` (every result
+#: whose tensors are all on the CPU) or ``never``.
 BACKGROUND_ENV = "OVERMIND_LAB_BACKGROUND_STORE"
 MIN_BYTES = 64 << 20
 #: The ``reason`` of the load event of a first load stored in the background.
@@ -91,8 +90,8 @@ def wanted(result: Any) -> bool:
 
 
 def cpu_tensor_bytes(result: Any) -> int | None:
-    """Bytes of the distinct storages of the modules in ``result`` (or its ``components``
-    dict), ``None`` when a tensor is not on the CPU; other objects count 0."""
+    """Bytes of the distinct storages of the modules in ``result`` (or its ``components`` dict),
+    ``None`` when a tensor is not on the CPU; other objects count 0."""
     torch = sys.modules.get("torch")
     if torch is None:
         return 0
@@ -184,8 +183,7 @@ def _child(store: Callable[[], None], out: int, keep_fds: Sequence[int]) -> NoRe
         os._exit(code)
 
 
-def _reap(outcome: StoreOutcome, read_end: int,
-          report: Callable[[StoreOutcome], None]) -> None:
+def _reap(outcome: StoreOutcome, read_end: int, report: Callable[[StoreOutcome], None]) -> None:
     chunks = []
     with os.fdopen(read_end, "rb") as pipe:
         while chunk := pipe.read(65536):
@@ -218,8 +216,8 @@ def pending_stores() -> list[StoreOutcome]:
 
 
 def wait_for_stores(timeout: float | None = None) -> list[StoreOutcome]:
-    """Wait until every background store this process started has ended: their outcomes
-    (``error`` ``None`` if stored); ``TimeoutError`` when ``timeout`` seconds pass first."""
+    """Wait until every background store this process started has ended: their outcomes (``error``
+    ``None`` if stored); ``TimeoutError`` when ``timeout`` seconds pass first."""
     with _lock:
         pending = list(_pending)
     deadline = None if timeout is None else time.monotonic() + timeout

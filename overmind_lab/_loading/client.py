@@ -1,7 +1,7 @@
-"""Talking to the per-user daemon: :class:`Client` for management, :class:`Session` for loads.
-Every socket operation has a timeout; OS errors become :class:`~overmind_lab.DaemonUnavailable`
-or :class:`~overmind_lab.ProtocolError` here. The first client that finds no daemon starts one
-(``serve --detach``) under a start lock, so racing clients end with exactly one daemon.
+"""Talking to the per-user daemon: :class:`Client` for management, :class:`Session` for loads. Every
+socket operation has a timeout; OS errors become :class:`~overmind_lab.DaemonUnavailable` or
+:class:`~overmind_lab.ProtocolError` here. The first client that finds no daemon starts one (``serve
+--detach``) under a start lock, so racing clients end with exactly one daemon.
 """
 
 from __future__ import annotations
@@ -89,8 +89,7 @@ class Client:
             sock.connect(str(self.path))
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             sock.close()
-            raise DaemonUnavailable(f"no overmind-lab daemon is listening on {self.path}"
-                                    ) from exc
+            raise DaemonUnavailable(f"no overmind-lab daemon is listening on {self.path}") from exc
         except PermissionError as exc:
             sock.close()
             raise DaemonUnavailable(f"permission denied on {self.path}: the daemon belongs "
@@ -216,8 +215,7 @@ class Session:
 
     def reserve(self, key: str, nbytes: int, refs: list[str]) -> tuple[ReserveReply, list[int]]:
         """Make room for ``nbytes`` and a new segment; the caller owns the writable fd."""
-        reply, fds = call(self.chan, {"op": "reserve", "key": key, "nbytes": nbytes,
-                                      "refs": refs})
+        reply, fds = call(self.chan, {"op": "reserve", "key": key, "nbytes": nbytes, "refs": refs})
         return cast(ReserveReply, reply), fds
 
     def link(self, key: str, files: list[SourceRecord]) -> LinkReply:

@@ -1,11 +1,11 @@
 """Cache keys: a key changes whenever the result of a call could change.
 
-A key hashes the callable really called (``module.Class.method`` of the class it was looked up
-on), every argument bound to the signature and normalized (paths resolved, objects from the
-cache by their key), a signature of the source (a directory's files, a file, a hub revision),
-the versions, the user's own loader code (``user_code.code_of``) and the process state the
-loaders read (Note [What a warm hit skips]). An argument that cannot be normalized raises
-:class:`NotCacheable`: the call runs uncached.
+A key hashes the callable really called (``module.Class.method`` of the class it was looked up on),
+every argument bound to the signature and normalized (paths resolved, objects from the cache by
+their key), a signature of the source (a directory's files, a file, a hub revision), the versions,
+the user's own loader code (``user_code.code_of``) and the process state the loaders read
+(Note [What a warm hit skips]). An argument that cannot be normalized raises :class:`NotCacheable`:
+the call runs uncached.
 """
 
 from __future__ import annotations
@@ -118,8 +118,8 @@ MAX_DEPTH = 32
 
 def normalize(value: Any, where: str, _seen: tuple[int, ...] = ()) -> Any:
     """A JSON-able, canonical description of an argument value. Config-like objects (with
-    ``to_dict``, dataclasses) enter by their complete state, not ``to_dict()``, which drops
-    fields such as ``_attn_implementation_internal`` that change what gets built."""
+    ``to_dict``, dataclasses) enter by their complete state, not ``to_dict()``, which drops fields
+    such as ``_attn_implementation_internal`` that change what gets built."""
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if len(_seen) > MAX_DEPTH or id(value) in _seen:
@@ -204,16 +204,16 @@ def _source_signature(text: str) -> dict[str, Any]:
 
 
 def _file_identity(st: os.stat_result) -> list[int]:
-    """Note [File signatures]: (device, inode, size, mtime_ns, ctime_ns) of every file a load
-    reads. The inode catches a file replaced by rename even with its mtime restored (``cp -p``,
-    ``rsync -a``); size a truncation or append; mtime an ordinary write; ctime a write whose
-    mtime was set back, a ``chmod``, a new hard link (user space cannot set a ctime).
+    """Note [File signatures]: (device, inode, size, mtime_ns, ctime_ns) of every file a load reads.
+    The inode catches a file replaced by rename even with its mtime restored (``cp -p``, ``rsync
+    -a``); size a truncation or append; mtime an ordinary write; ctime a write whose mtime was set
+    back, a ``chmod``, a new hard link (user space cannot set a ctime).
 
     Two writes within one timestamp tick (a few ms before Linux 6.13) look like one, so a file
-    written *while* its signature is taken can go unseen: the daemon checks the source again
-    when the entry is stored (``source_changed`` in ``_daemon/persist.py``). An in-place write
-    that keeps size, mtime and ctime needs root. A signature that cannot be taken raises
-    ``NotCacheable`` or changes the key: a miss, never a stale hit.
+    written *while* its signature is taken can go unseen: the daemon checks the source again when
+    the entry is stored (``source_changed`` in ``_daemon/persist.py``). An in-place write that keeps
+    size, mtime and ctime needs root. A signature that cannot be taken raises ``NotCacheable`` or
+    changes the key: a miss, never a stale hit.
     """
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
@@ -265,8 +265,8 @@ def _hub_signature(repo_id: str, revision: Any) -> dict[str, Any]:
     return {"hub": repo_id, "revision": revision}
 
 
-# Note [What a warm hit skips]: a hit returns what an earlier call built, so everything that
-# call read that can change what it builds is in the key. Besides arguments and source files,
+# Note [What a warm hit skips]: a hit returns what an earlier call built, so everything that call
+# read that can change what it builds is in the key. Besides arguments and source files,
 # the HF loaders read:
 # - library versions (accelerate changes ``low_cpu_mem_usage``, peft adapters) -> _versions
 # - torch's default dtype and device, the accelerators it sees (``device_map="auto"``), the
@@ -277,11 +277,11 @@ def _hub_signature(repo_id: str, revision: Any) -> dict[str, Any]:
 # - the user's own code, which no version names: the loader (function, class, MRO) by a digest
 #   of its file, or source or bytecode without one, for each part not from a regular
 #   installed distribution (Note [Regular code] in ``user_code``)         -> user_code.code_of
-# Handled otherwise: the user's classes in the result (their digests are in the entry; a hit
-# with other code is a miss that replaces it: Note [Code that changed under an entry] in
-# ``load``); random generators (a load that draws is not cached: Note [Loads that draw random
-# numbers]); warnings and log records (replayed); side effects on arguments (not repeated);
-# ``torch.backends`` flags (they act when a model runs, not when it is built).
+# Handled otherwise: the user's classes in the result (their digests are in the entry; a hit with
+# other code is a miss that replaces it: Note [Code that changed under an entry] in ``load``);
+# random generators (a load that draws is not cached: Note [Loads that draw random numbers]);
+# warnings and log records (replayed); side effects on arguments (not repeated); ``torch.backends``
+# flags (they act when a model runs, not when it is built).
 _VERSIONED = ("torch", "diffusers", "transformers", "accelerate", "safetensors",
               "huggingface_hub", "tokenizers", "peft")
 _ENV_PREFIXES = ("DIFFUSERS_", "TRANSFORMERS_", "HF_", "ACCELERATE_", "USE_")
@@ -293,13 +293,11 @@ _ENV_IGNORED = frozenset({
     "HUGGING_FACE_HUB_TOKEN", "HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT",
     "HF_HUB_DISABLE_SYMLINKS_WARNING", "HF_HUB_DISABLE_EXPERIMENTAL_WARNING",
 })
-_ATTENTION_PACKAGES = ("flash_attn", "flash_attn_interface", "kernels", "xformers",
-                       "sageattention")
+_ATTENTION_PACKAGES = ("flash_attn", "flash_attn_interface", "kernels", "xformers", "sageattention")
 
 
 def _versions(qualname: str) -> dict[str, str]:
-    out = {"python": sys.version.split()[0], "format": str(FORMAT_VERSION),
-           **_installed_versions()}
+    out = {"python": sys.version.split()[0], "format": str(FORMAT_VERSION), **_installed_versions()}
     top = qualname.split(".")[0]
     mod = sys.modules.get(top)
     if top not in out and mod is not None:
@@ -309,8 +307,8 @@ def _versions(qualname: str) -> dict[str, str]:
 
 @functools.lru_cache(maxsize=1)
 def _installed_versions() -> dict[str, str]:
-    # From installed metadata, not what is imported (a refresh worker must get the same key);
-    # once per process, as its code does not change when a package is upgraded under it.
+    # From installed metadata, not what is imported (a refresh worker must get the same key); once
+    # per process, as its code does not change when a package is upgraded under it.
     from importlib import metadata
 
     found = _dist_info_versions()
@@ -334,12 +332,12 @@ def _canonical(name: str) -> str:
 
 
 def _dist_info_versions() -> dict[str, str]:
-    """Installed distributions by canonical name -> version from their ``.dist-info`` folder
-    name, first along ``sys.path``; ``""`` for ``.egg-info`` (ask importlib).
+    """Installed distributions by canonical name -> version from their ``.dist-info`` folder name,
+    first along ``sys.path``; ``""`` for ``.egg-info`` (ask importlib).
 
-    Note [Versions without METADATA]: ``importlib.metadata.version`` parses METADATA with the
-    email parser (torch's ~50 KB): 15-25 ms, a third of a warm UNet load in a fresh kernel. The
-    folder's name holds the same version (wheel spec), so only directory listings are read.
+    Note [Versions without METADATA]: ``importlib.metadata.version`` parses METADATA with the email
+    parser (torch's ~50 KB): 15-25 ms, a third of a warm UNet load in a fresh kernel. The folder's
+    name holds the same version (wheel spec), so only directory listings are read.
     """
     found: dict[str, str] = {}
     for entry in sys.path:
@@ -364,8 +362,8 @@ def _attention_packages() -> tuple[str, ...]:
 
 
 def _torch_if_installed() -> Any:
-    """torch, imported if installed. Loaders import it on the way where installed; keyed on
-    whether it was imported, a process's first key would differ from its later ones."""
+    """torch, imported if installed. Loaders import it on the way where installed; keyed on whether
+    it was imported, a process's first key would differ from its later ones."""
     torch = sys.modules.get("torch")
     if torch is None and _torch_installed():
         import torch
@@ -393,8 +391,7 @@ def _process_state() -> dict[str, Any]:
 
 
 # -- the key ----------------------------------------------------------------------------
-def make_key(fn: Callable[..., Any], args: tuple[Any, ...],
-             kwargs: dict[str, Any]) -> KeyInfo:
+def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> KeyInfo:
     qual, import_path = callable_name(fn)
     try:
         sig = inspect.signature(fn)
@@ -470,8 +467,8 @@ def describe(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
     return _display_name(qual, bound, _source_param(sig))
 
 
-# Note [Replay]: a refresh re-runs the recorded call in a fresh interpreter. Only calls
-# whose arguments survive a JSON round trip (plus dtypes) can be replayed.
+# Note [Replay]: a refresh re-runs the recorded call in a fresh interpreter. Only calls whose
+# arguments survive a JSON round trip (plus dtypes) can be replayed.
 def _replay_spec(import_path: str, args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> ReplaySpec | None:
     if "<" in import_path:

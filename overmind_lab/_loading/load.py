@@ -1,12 +1,12 @@
 """``load()``: a cached call, warm from shared memory when any process loaded it before.
 
-The cold load runs here; its result is pickled with tensor bytes out of band into a segment
-the daemon created (or left in the source file the entry links to), and the caller gets the
-loader's own object (Note [Never worse than plain]); a large result is stored by a forked copy
-(Note [Storing in a forked process]). A hit must be indistinguishable from the plain load: the
-key covers every input (Note [What a warm hit skips] in ``keys``), loads that draw random
-numbers are not cached, warnings and log records are replayed, the loader's exceptions carry
-none of ours (Note [Clean exceptions]); verify mode checks every hit against a plain load.
+The cold load runs here; its result is pickled with tensor bytes out of band into a segment the
+daemon created (or left in the source file the entry links to), and the caller gets the loader's own
+object (Note [Never worse than plain]); a large result is stored by a forked copy
+(Note [Storing in a forked process]). A hit must be indistinguishable from the plain load: the key
+covers every input (Note [What a warm hit skips] in ``keys``), loads that draw random numbers are
+not cached, warnings and log records are replayed, the loader's exceptions carry none of ours
+(Note [Clean exceptions]); verify mode checks every hit against a plain load.
 """
 
 from __future__ import annotations
@@ -177,9 +177,9 @@ def _plain(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) 
 
 
 def load(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
-    """Call ``fn(*args, **kwargs)`` through the cache: the first call (in any process of this
-    user) parks the result in shared memory, later ones rebuild it without copying tensor
-    bytes. In-place changes stay private to the process that makes them.
+    """Call ``fn(*args, **kwargs)`` through the cache: the first call (in any process of this user)
+    parks the result in shared memory, later ones rebuild it without copying tensor bytes. In-place
+    changes stay private to the process that makes them.
 
     >>> unet = overmind_lab.load(UNet2DConditionModel.from_pretrained,   # doctest: +SKIP
     ...                          "/models/unet", dtype=torch.float16)
@@ -196,8 +196,8 @@ def load(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         _emit(LoadEvent(None, _keys.describe(fn, args, kwargs), "bypass",
                         time.perf_counter() - start))
         return result
-    # Note [Clean exceptions]: the loader is never called inside one of our ``except`` blocks,
-    # or its exception would carry ours as __context__ in the user's traceback.
+    # Note [Clean exceptions]: the loader is never called inside one of our ``except`` blocks, or
+    # its exception would carry ours as __context__ in the user's traceback.
     key_error: str | None = None
     try:
         info = _keys.make_key(fn, args, kwargs)
@@ -230,8 +230,7 @@ def _fallback(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any
     _warn_once(f"daemon:{exc}", f"the cache is unavailable, loading {info.name} "
                                 f"without it: {exc}")
     result = _plain(fn, args, kwargs)
-    _emit(LoadEvent(info.key, info.name, "fallback", time.perf_counter() - start,
-                    reason=str(exc)))
+    _emit(LoadEvent(info.key, info.name, "fallback", time.perf_counter() - start, reason=str(exc)))
     return result
 
 
@@ -256,8 +255,8 @@ def _load_with(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
     components = _components(args, kwargs)
     if entry is not None:
         return _hit(session, fn, args, kwargs, info, start, entry, fds, components)
-    # We hold the lease: load here, then park it. fn's exception propagates unchanged; closing
-    # the session releases the lease.
+    # We hold the lease: load here, then park it. fn's exception propagates unchanged; closing the
+    # session releases the lease.
     rng_before = observe.snapshot()
     counter_before = hook_counter()
     with observe.Capture() as capture:
@@ -266,10 +265,10 @@ def _load_with(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
     taken = (counter_before, hook_counter())  # Note [Hook ids] in ``pickling``
     drawn = observe.changed(rng_before, observe.snapshot())
     if drawn:
-        # Note [Loads that draw random numbers]: a load that moved a random generator (a new
-        # head initialised at random) depends on the seed and moves the stream; a hit would give
-        # seed 1 seed 0's weights. Such loads are not cached (keying on the generators' state
-        # would miss in every fresh process, seeded from entropy).
+        # Note [Loads that draw random numbers]: a load that moved a random generator (a new head
+        # initialised at random) depends on the seed and moves the stream; a hit would give seed 1
+        # seed 0's weights. Such loads are not cached (keying on the generators' state would miss in
+        # every fresh process, seeded from entropy).
         reason = (f"it draws random numbers ({', '.join(drawn)} generator) while loading, "
                   "e.g. to initialise weights missing from the checkpoint; it is not "
                   "cached, so that seeds keep working")
@@ -285,8 +284,8 @@ def _load_with(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
                             keep_fds=[session.chan.sock.fileno()]):
             # The child has the session now; this process closes its copy when ``load`` leaves
             # ``with session``. The caller's object is the loader's own (memory, or the source
-            # file's mapping), so this process is no holder of the entry, and a later store
-            # that includes its tensors copies them instead of referencing the segment.
+            # file's mapping), so this process is no holder of the entry, and a later store that
+            # includes its tensors copies them instead of referencing the segment.
             _keys.remember(result, info.key)
             _emit(LoadEvent(info.key, info.name, "cold", time.perf_counter() - start,
                             cold_seconds=cold, reason=background.REASON))
@@ -314,13 +313,13 @@ class _CodeChanged(Exception):
     """An entry built by other code than this process's, twice (see ``_lookup``)."""
 
 
-# Note [Code that changed under an entry]: the key holds the loader's code, not the code of
-# the result's classes (known only after the load): the entry records their digests
-# (``user_code.graph_code``, ``Meta.code``) and a hit compares them with this process's code
-# first. If they differ, the key is looked up again with ``refresh`` (as ``refreshing()``),
-# which takes the lease although an entry exists; the load's store replaces the entry. If
-# another process refreshed it meanwhile with code that differs too (two processes running
-# different code under one key), this load runs uncached rather than take turns.
+# Note [Code that changed under an entry]: the key holds the loader's code, not the code of the
+# result's classes (known only after the load): the entry records their digests
+# (``user_code.graph_code``, ``Meta.code``) and a hit compares them with this process's code first.
+# If they differ, the key is looked up again with ``refresh`` (as ``refreshing()``), which takes the
+# lease although an entry exists; the load's store replaces the entry. If another process refreshed
+# it meanwhile with code that differs too (two processes running different code under one key), this
+# load runs uncached rather than take turns.
 def _lookup(session: Session,
             info: _keys.KeyInfo) -> tuple[WireEntry | None, list[int], str | None]:
     """A hit built by this process's code, ``(entry, fds, None)``; or the lease, ``(None, [],
@@ -412,8 +411,8 @@ def _hit(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
 def _verify(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
             warm: Any, observed: observe.Observed,
             rng_before: dict[str, Any], hooks_before: int) -> tuple[Any, str | None]:
-    """Load plainly from the same generator state and compare with the hit: the plain result
-    and the first difference (``None`` if equal); generators left as the plain load leaves them.
+    """Load plainly from the same generator state and compare with the hit: the plain result and the
+    first difference (``None`` if equal); generators left as the plain load leaves them.
     """
     from overmind_lab._common.fingerprint import compare
 
@@ -432,8 +431,8 @@ def _verify(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any
         elif hook_counter() != hooks_warm:
             found = (f"torch's hook id counter after the load: {hooks_warm} vs "
                      f"{hook_counter()}")
-    # What the plain load said must be among what the hit replayed, not the reverse (a
-    # once-only message shown before in this process stays silent in the plain load).
+    # What the plain load said must be among what the hit replayed, not the reverse (a once-only
+    # message shown before in this process stays silent in the plain load).
     unsaid = [m for m in capture.observed.messages() if m not in observed.messages()]
     if found is None and unsaid:
         found = f"the warnings and log records emitted: the plain load also said {unsaid!r}"
@@ -459,8 +458,7 @@ def _store(session: Session, info: _keys.KeyInfo, result: Any, cold: float,
         session.abandon(info.key)
         raise
     stream_offset = plan.place(stream, len(stream))
-    refs = [linked[r.path] if isinstance(r, SourceFile) else r.segment_id
-            for r in plan.refs]
+    refs = [linked[r.path] if isinstance(r, SourceFile) else r.segment_id for r in plan.refs]
     try:
         reserved, fds = session.reserve(info.key, plan.size, refs)
     except ProtocolError as exc:
@@ -496,8 +494,8 @@ def _store(session: Session, info: _keys.KeyInfo, result: Any, cold: float,
 
 
 def _link_sources(session: Session, key: str, plan: WritePlan) -> dict[str, str]:
-    """Ask the daemon to link the plan's source files: path -> segment id (refused ones
-    missing: another file system, the memfd tier, changed meanwhile)."""
+    """Ask the daemon to link the plan's source files: path -> segment id (refused ones missing:
+    another file system, the memfd tier, changed meanwhile)."""
     files = plan.files
     if not files:
         return {}

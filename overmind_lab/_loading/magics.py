@@ -37,8 +37,8 @@ from overmind_lab._common.messages import EntryJson
 
 __all__ = ["OvermindMagics", "load_ipython_extension", "unload_ipython_extension"]
 
-# Leading option words (``--cold -q``); the statement is the verbatim rest of the line,
-# so quotes and spacing inside it reach Python untouched.
+# Leading option words (``--cold -q``); the statement is the verbatim rest of the line, so quotes
+# and spacing inside it reach Python untouched.
 _OPTION = re.compile(r"\s*(-{1,2}[A-Za-z][\w-]*)(?=\s|$)")
 
 _patched_by_extension = False
@@ -134,8 +134,8 @@ class OvermindMagics(Magics):
     @magic_arguments()
     @line_magic
     def overmind_status(self, line: str = "") -> StatusReport:
-        """Show the cache: every entry with its size, hits and cold vs warm load times (HTML
-        in a notebook, text in a terminal); ``.status`` and ``.entries`` hold the JSON."""
+        """Show the cache: every entry with its size, hits and cold vs warm load times (HTML in a
+        notebook, text in a terminal); ``.status`` and ``.entries`` hold the JSON."""
         parse_argstring(self.overmind_status, line)
         import overmind_lab
 
@@ -151,8 +151,7 @@ class OvermindMagics(Magics):
 
     # ---------------------------------------------------------------------------------
 
-    def _run(self, source: str, *, cold: bool, refresh: bool, verify: bool,
-             quiet: bool) -> Any:
+    def _run(self, source: str, *, cold: bool, refresh: bool, verify: bool, quiet: bool) -> Any:
         import overmind_lab
 
         mode: contextlib.AbstractContextManager[Any]
@@ -177,8 +176,8 @@ class OvermindMagics(Magics):
         return result
 
     def _execute(self, source: str) -> Any:
-        """Run ``source`` in the user namespace, like ``%time`` (``run_cell`` inside
-        ``%timeit`` would start a nested cell execution per repeat)."""
+        """Run ``source`` in the user namespace, like ``%time`` (``run_cell`` inside ``%timeit``
+        would start a nested cell execution per repeat)."""
         shell = self.shell
         assert shell is not None
         code = shell.transform_cell(source)

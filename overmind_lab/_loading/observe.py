@@ -1,7 +1,7 @@
-"""What a load does besides returning its result, which a hit must repeat: random draws (a load
-that moved a generator is not cached: Note [Loads that draw random numbers] in ``load``), and
-warnings and log records (:class:`Capture` records them in the cold call, :func:`replay` emits
-them on every hit).
+"""What a load does besides returning its result, which a hit must repeat: random draws (a load that
+moved a generator is not cached: Note [Loads that draw random numbers] in ``load``), and warnings
+and log records (:class:`Capture` records them in the cold call, :func:`replay` emits them on every
+hit).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 
 __all__ = ["Capture", "Observed", "snapshot", "changed", "restore", "replay"]
 
-#: Library root loggers that do not propagate to the root logger (diffusers and
-#: transformers set ``propagate = False``): records are taken from these and from root.
+#: Library root loggers that do not propagate to the root logger (diffusers and transformers set
+#: ``propagate = False``): records are taken from these and from root.
 _LIBRARY_LOGGERS = ("diffusers", "transformers", "huggingface_hub", "accelerate")
 
 
@@ -51,8 +51,7 @@ def _same(a: Any, b: Any) -> bool:
 def changed(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     """Names of the generators whose state differs (``["torch"]``); empty if none."""
     names = sorted(set(before) | set(after))
-    return [n for n in names if n not in before or n not in after
-            or not _same(before[n], after[n])]
+    return [n for n in names if n not in before or n not in after or not _same(before[n], after[n])]
 
 
 def restore(state: dict[str, Any]) -> None:
@@ -93,12 +92,11 @@ class Observed:
 class _Recorder(logging.Handler):
     """Appends each record once, as JSON, to ``out``.
 
-    Note [Records seen by two loggers]
-    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    Attached to the root logger and the library roots, it sees a propagated record twice,
-    told apart by identity. An ``id()`` is unique only among live objects, and the next record
-    often reuses a freed one's address (diffusers' ERROR then WARNING: the second was dropped).
-    ``seen`` keeps every record it names alive until the capture ends.
+    Note [Records seen by two loggers] ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~ Attached to the root
+    logger and the library roots, it sees a propagated record twice, told apart by identity. An
+    ``id()`` is unique only among live objects, and the next record often reuses a freed one's
+    address (diffusers' ERROR then WARNING: the second was dropped). ``seen`` keeps every record it
+    names alive until the capture ends.
     """
 
     def __init__(self, out: list[dict[str, Any]]) -> None:
@@ -121,9 +119,9 @@ class _Recorder(logging.Handler):
 
 
 class Capture:
-    """Record the warnings and log records of a call. Log records reach their handlers as
-    usual; warnings are held and shown, through the filters in force, when it ends (also on
-    raise). ``emit=False`` only records (verify mode's plain load: the hit already spoke)."""
+    """Record the warnings and log records of a call. Log records reach their handlers as usual;
+    warnings are held and shown, through the filters in force, when it ends (also on raise).
+    ``emit=False`` only records (verify mode's plain load: the hit already spoke)."""
 
     def __init__(self, *, emit: bool = True) -> None:
         self.emit = emit
@@ -158,8 +156,7 @@ class Capture:
                 "category": f"{w.category.__module__}.{w.category.__qualname__}",
                 "message": str(w.message), "filename": w.filename, "lineno": w.lineno})
             if self.emit:
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno,
-                                       source=w.source)
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
 
 
 def _category(name: str) -> type[Warning]:

@@ -1,7 +1,6 @@
 """Route ``from_pretrained`` of diffusers and transformers through the cache.
 
-User guide
-==========
+User guide ==========
 
 ::
 
@@ -15,19 +14,19 @@ User guide
     overmind_lab.unpatch_all()        # every patched attribute is exactly the original again
 
 After :func:`patch_all`, ``UNet2DConditionModel.from_pretrained(p, ...)`` is
-``overmind_lab.load(<the original bound to UNet2DConditionModel>, p, ...)``: the key names the
-class really called. Loads nested inside a cached load run plainly: only the outermost is cached.
+``overmind_lab.load(<the original bound to UNet2DConditionModel>, p, ...)``: the key names the class
+really called. Loads nested inside a cached load run plainly: only the outermost is cached.
 
 Patched: ``from_pretrained`` (or ``from_single_file``) of these bases and every subclass that
 defines its own (each transformers ``Auto*`` class carries a copy): diffusers ``ModelMixin``,
 ``DiffusionPipeline``, ``SchedulerMixin``, ``FromSingleFileMixin``, ``FromOriginalModelMixin``,
-``AutoPipelineFor*``, ``AutoModel``; transformers ``PreTrainedModel``,
-``PreTrainedTokenizerBase``, ``ProcessorMixin``, ``FeatureExtractionMixin``,
-``ImageProcessingMixin`` and the ``Auto*`` classes. Configurations are not: they load faster
-than a round trip to the daemon. Classes not yet imported are patched by an import hook on
-``sys.meta_path`` right after their module executes. Like ``gevent.monkey``, originals are saved
-once: patching twice is harmless and :func:`get_original` gives them back. Dynamic modules
-(``diffusers_modules.*``) need nothing here (Note [Dynamic modules] in ``pickling.py``).
+``AutoPipelineFor*``, ``AutoModel``; transformers ``PreTrainedModel``, ``PreTrainedTokenizerBase``,
+``ProcessorMixin``, ``FeatureExtractionMixin``, ``ImageProcessingMixin`` and the ``Auto*`` classes.
+Configurations are not: they load faster than a round trip to the daemon. Classes not yet imported
+are patched by an import hook on ``sys.meta_path`` right after their module executes. Like
+``gevent.monkey``, originals are saved once: patching twice is harmless and :func:`get_original`
+gives them back. Dynamic modules (``diffusers_modules.*``) need nothing here (Note [Dynamic modules]
+in ``pickling.py``).
 """
 
 from __future__ import annotations
@@ -43,18 +42,12 @@ from typing import Any
 
 from overmind_lab._errors import OvermindWarning
 
-__all__ = [
-    "get_original",
-    "is_patched",
-    "patch_all",
-    "patched_names",
-    "unpatch_all",
-]
+__all__ = ["get_original", "is_patched", "patch_all", "patched_names", "unpatch_all",]
 
 _LIBRARIES = ("diffusers", "transformers")
 
-# (module, class, methods): the class and every subclass that defines one of the methods
-# in its own __dict__ gets a caching wrapper.
+# (module, class, methods): the class and every subclass that defines one of the methods in its own
+# __dict__ gets a caching wrapper.
 _ROOTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("diffusers.models.modeling_utils", "ModelMixin", ("from_pretrained",)),
     ("diffusers.pipelines.pipeline_utils", "DiffusionPipeline", ("from_pretrained",)),
@@ -82,8 +75,8 @@ _ROOTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      ("from_pretrained",)),
 )
 
-# Overrides that are not loads from a source: MtpModel.from_pretrained(main_model) builds a
-# head around a model object already in memory, there is nothing to cache.
+# Overrides that are not loads from a source: MtpModel.from_pretrained(main_model) builds a head
+# around a model object already in memory, there is nothing to cache.
 _SKIP = frozenset({"transformers.modeling_layers.MtpModel"})
 
 _ORIGINAL_ATTR = "__overmind_original__"
@@ -101,9 +94,9 @@ _failed: set[str] = set()
 
 def patch_all(*, diffusers: bool = True, transformers: bool = True,
               verify: bool | None = None) -> None:
-    """Cache ``from_pretrained`` of diffusers and transformers in this process (before or after
-    they are imported; again is harmless). ``verify=True`` also loads every hit plainly and
-    compares (slow); ``False`` turns it off; ``None`` leaves it (``OVERMIND_LAB_VERIFY=1``).
+    """Cache ``from_pretrained`` of diffusers and transformers in this process (before or after they
+    are imported; again is harmless). ``verify=True`` also loads every hit plainly and compares
+    (slow); ``False`` turns it off; ``None`` leaves it (``OVERMIND_LAB_VERIFY=1``).
 
     >>> import overmind_lab
     >>> overmind_lab.patch_all()
@@ -148,8 +141,8 @@ def unpatch_all() -> None:
 
 
 def is_patched(obj: Any = None, name: str | None = None) -> bool:
-    """Whether :func:`patch_all` is in effect; with a class and a method name, or a method,
-    whether that method goes through the cache now."""
+    """Whether :func:`patch_all` is in effect; with a class and a method name, or a method, whether
+    that method goes through the cache now."""
     if obj is None:
         return _hook is not None
     return _find_wrapper(obj, name) is not None
@@ -157,8 +150,8 @@ def is_patched(obj: Any = None, name: str | None = None) -> bool:
 
 def get_original(obj: Any, name: str | None = None) -> Any:
     """The original method behind a patched one, bound like it: ``get_original(cls.
-    from_pretrained)`` or ``get_original(cls, "from_pretrained")``. Anything not patched is
-    returned unchanged (``getattr(obj, name)``)."""
+    from_pretrained)`` or ``get_original(cls, "from_pretrained")``. Anything not patched is returned
+    unchanged (``getattr(obj, name)``)."""
     found = _find_wrapper(obj, name)
     if found is None:
         return getattr(obj, name) if name is not None else obj
@@ -181,9 +174,9 @@ def _make_wrapper(original: classmethod) -> classmethod:  # type: ignore[type-ar
 
     @functools.wraps(func)
     def cached(cls: type, *args: Any, **kwargs: Any) -> Any:
-        # Note [The wrapper looks load up per call]: ``overmind_lab.load`` is read from the
-        # package per call, so whoever replaces it reaches every patched method too (the peer
-        # test's plugin ``peer/overmind_peer.py``, a user's logging wrapper); it costs nothing.
+        # Note [The wrapper looks load up per call]: ``overmind_lab.load`` is read from the package
+        # per call, so whoever replaces it reaches every patched method too (the peer test's plugin
+        # ``peer/overmind_peer.py``, a user's logging wrapper); it costs nothing.
         import overmind_lab
 
         # Bound to cls, the class really called: the key names it, not the definer.
@@ -228,10 +221,10 @@ def _patch_class(cls: type, methods: tuple[str, ...]) -> None:
         setattr(cls, name, _make_wrapper(original))
 
 
-# Note [Copied wrappers]: transformers builds each Auto class's method as a copy of the base one
-# at import (``classmethod(copy_func(...))``), which copies our wrapper when the base is patched.
-# It never had an unpatched form: the one the library would have built from the original is
-# saved as the original, and wrapped like any other.
+# Note [Copied wrappers]: transformers builds each Auto class's method as a copy of the base one at
+# import (``classmethod(copy_func(...))``), which copies our wrapper when the base is patched. It
+# never had an unpatched form: the one the library would have built from the original is saved as
+# the original, and wrapped like any other.
 def _unwrapped_copy(attr: classmethod) -> classmethod:  # type: ignore[type-arg]
     copy = attr.__func__
     func = getattr(copy, _ORIGINAL_ATTR).__func__
@@ -284,12 +277,10 @@ def _patch_module(module: ModuleType) -> None:
 
 
 class _PatchOnImport:
-    """``sys.meta_path`` finder: patches diffusers/transformers modules after they execute. It
-    finds the spec with the finders after it and only wraps the loader."""
+    """``sys.meta_path`` finder: patches diffusers/transformers modules after they execute. It finds
+    the spec with the finders after it and only wraps the loader."""
 
-    def find_spec(
-        self, fullname: str, path: Any = None, target: ModuleType | None = None
-    ) -> Any:
+    def find_spec(self, fullname: str, path: Any = None, target: ModuleType | None = None) -> Any:
         if fullname.partition(".")[0] not in _LIBRARIES:
             return None
         for finder in list(sys.meta_path):

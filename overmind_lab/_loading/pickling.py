@@ -1,13 +1,13 @@
 """Pickling with tensor bytes out of band: ``reduce_*`` on the way in, ``rebuild_*`` out.
 
 :class:`StoragePickler`'s ``reducer_override`` turns every torch storage into a reference
-(``_storage(segment, offset, nbytes, dtype, device, typed)``), every plain CPU tensor into one
-call (Note [One call per tensor]), every ``nn.Module`` without hooks into the object plus its
-non-default fields (Note [Modules in one call]); large ``PickleBuffer`` objects leave the stream
-too, so it is metadata only. A :class:`WritePlan` puts every byte in the new segment, or nowhere
-for a storage already unchanged in a cached segment (Note [Provenance] in ``segments.py``).
-Unpickling rebuilds storages over the private mapping without a copy. Nothing is registered on
-a global pickler; ``dill`` is the fallback for what pickle refuses (lambdas, nested functions).
+(``_storage(segment, offset, nbytes, dtype, device, typed)``), every plain CPU tensor into one call
+(Note [One call per tensor]), every ``nn.Module`` without hooks into the object plus its non-default
+fields (Note [Modules in one call]); large ``PickleBuffer`` objects leave the stream too, so it is
+metadata only. A :class:`WritePlan` puts every byte in the new segment, or nowhere for a storage
+already unchanged in a cached segment (Note [Provenance] in ``segments.py``). Unpickling rebuilds
+storages over the private mapping without a copy. Nothing is registered on a global pickler;
+``dill`` is the fallback for what pickle refuses (lambdas, nested functions).
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ __all__ = ["WritePlan", "dump", "load_stream", "ALIGN"]
 ALIGN = 64
 
 # Note [Addresses modulo 64]: a storage copied into a segment starts at an offset that is, modulo
-# 64, its address in the loader's result; segments are mapped at page boundaries, so a warm
-# tensor's ``data_ptr() % 64`` is the plain load's. torch's CPU kernels pick vectorised or scalar
-# paths, and split reductions, by alignment: the same bytes elsewhere give outputs that differ in
-# the last bits (a small UNet's by up to 5e-7). Storages in a source file keep its offsets.
+# 64, its address in the loader's result; segments are mapped at page boundaries, so a warm tensor's
+# ``data_ptr() % 64`` is the plain load's. torch's CPU kernels pick vectorised or scalar paths, and
+# split reductions, by alignment: the same bytes elsewhere give outputs that differ in the last bits
+# (a small UNet's by up to 5e-7). Storages in a source file keep its offsets.
 #: PickleBuffers smaller than this stay in the stream.
 MIN_OUT_OF_BAND = 64 * 1024
 
@@ -53,8 +53,8 @@ def _align(n: int) -> int:
 
 @dataclass
 class WritePlan:
-    """Where each storage goes. Segment 0 is the new one; 1.. are references: cached segments,
-    or source files whose unchanged regions storages are (``sources.py``)."""
+    """Where each storage goes. Segment 0 is the new one; 1.. are references: cached segments, or
+    source files whose unchanged regions storages are (``sources.py``)."""
 
     size: int = 0
     items: list[tuple[int, Any]] = field(default_factory=list)
@@ -106,8 +106,8 @@ class WritePlan:
             untyped = untyped.cpu()  # cached on host, moved back on load
             ptr = int(untyped.data_ptr())
             self.keep_alive.append(untyped)
-        # Note [Borrowed storage views]: ``buf`` views the storage's memory without a reference
-        # to it; valid because ``load`` holds ``result`` (every CPU storage) until the segment is
+        # Note [Borrowed storage views]: ``buf`` views the storage's memory without a reference to
+        # it; valid because ``load`` holds ``result`` (every CPU storage) until the segment is
         # written, and ``keep_alive`` holds a storage copied off a device.
         buf = (ctypes.c_char * nbytes).from_address(ptr) if nbytes else b""
         where = find_mapping(ptr, nbytes) if nbytes and device == "cpu" else None
@@ -135,10 +135,9 @@ class WritePlan:
 
 
 def reduce_tensor(t: Any, is_param: bool, plan: WritePlan) -> Any:
-    """A lean reduction for plain CPU tensors and parameters (torch's costs ~10x more to
-    rebuild); anything else (layouts, devices, autograd history, conjugate views, subclasses)
-    goes through torch's reduction. The storage is placed in the same call (Note [One call per
-    tensor])."""
+    """A lean reduction for plain CPU tensors and parameters (torch's costs ~10x more to rebuild);
+    anything else (layouts, devices, autograd history, conjugate views, subclasses) goes through
+    torch's reduction. The storage is placed in the same call (Note [One call per tensor])."""
     import torch
 
     if t.grad_fn is not None:
@@ -193,13 +192,13 @@ def _row_major(size: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-# Note [One call per tensor]: a warm SD UNet rebuilds 686 tensors within ~15 ms in all, so a
-# plain CPU tensor is one call that makes its storage and the tensor over it (one REDUCE and one
-# Python call fewer than tensor-of-storage). A row-major tensor over its whole storage is a numpy
-# array over the mapped bytes, in its shape, and the tensor over it (``rebuild_whole``, ~4 µs
-# against ~10 µs); dtypes numpy lacks (bfloat16, float8) and other layouts use ``rebuild_tensor``
-# (``set_``). Storages are memoized by location (segment, offset, size), as in ``_storage``, so
-# shared storages stay shared. Torch functions are bound once per stream (``_Frame``).
+# Note [One call per tensor]: a warm SD UNet rebuilds 686 tensors within ~15 ms in all, so a plain
+# CPU tensor is one call that makes its storage and the tensor over it (one REDUCE and one Python
+# call fewer than tensor-of-storage). A row-major tensor over its whole storage is a numpy array
+# over the mapped bytes, in its shape, and the tensor over it (``rebuild_whole``, ~4 µs against ~10
+# µs); dtypes numpy lacks (bfloat16, float8) and other layouts use ``rebuild_tensor`` (``set_``).
+# Storages are memoized by location (segment, offset, size), as in ``_storage``, so shared storages
+# stay shared. Torch functions are bound once per stream (``_Frame``).
 def rebuild_whole(seg: int, offset: int, nbytes: int, size: tuple[int, ...], dtype: Any,
                   requires_grad: bool, is_param: bool, state: dict[str, Any] | None) -> Any:
     frame = _frame()
@@ -249,15 +248,15 @@ def _finish(frame: _Frame, t: Any, requires_grad: bool, is_param: bool,
     return t
 
 
-# Note [Modules in one call]: pickled the default way, every ``nn.Module`` carries the eleven
-# empty hook tables ``Module.__init__`` makes, each a global, a call and a memo entry (an SD UNet:
-# 165 KB, 9,200 calls). A module whose hook tables are all empty is pickled as the object
-# (``__newobj__``: in the memo before its state, so back references resolve) plus the six other
-# standard fields and its own attributes (95 KB, 1,600 calls); ``_set_module_state`` makes fresh
-# tables and passes ``__setstate__`` the dict, in the key order, the default would. Only for
-# classes that do not customise pickling, while ``Module.__init__`` makes exactly the fields below
-# (checked at run time); ``_compiled_call_impl`` is dropped as ``Module.__getstate__`` drops it.
-# Anything else (a hook, a non-empty table, an unknown layout) is pickled the default way.
+# Note [Modules in one call]: pickled the default way, every ``nn.Module`` carries the eleven empty
+# hook tables ``Module.__init__`` makes, each a global, a call and a memo entry (an SD UNet: 165 KB,
+# 9,200 calls). A module whose hook tables are all empty is pickled as the object (``__newobj__``:
+# in the memo before its state, so back references resolve) plus the six other standard fields and
+# its own attributes (95 KB, 1,600 calls); ``_set_module_state`` makes fresh tables and passes
+# ``__setstate__`` the dict, in the key order, the default would. Only for classes that do not
+# customise pickling, while ``Module.__init__`` makes exactly the fields below (checked at run
+# time); ``_compiled_call_impl`` is dropped as ``Module.__getstate__`` drops it. Anything else (a
+# hook, a non-empty table, an unknown layout) is pickled the default way.
 _MODULE_FIELDS = (
     "training", "_parameters", "_buffers", "_non_persistent_buffers_set",
     "_backward_pre_hooks", "_backward_hooks", "_is_full_backward_hook", "_forward_hooks",
@@ -328,9 +327,9 @@ def _set_module_state(module: Any, compact: tuple[Any, ...]) -> None:
         module.__setstate__(state)
 
 
-# Note [Modules with slots]: ``Module.__getstate__`` returns ``__dict__``, so torch's pickling
-# loses slot values (a warm hit would raise AttributeError). Such a module, unless its class
-# customises ``__reduce__``, is pickled as the object, its ``__getstate__`` and its set slots.
+# Note [Modules with slots]: ``Module.__getstate__`` returns ``__dict__``, so torch's pickling loses
+# slot values (a warm hit would raise AttributeError). Such a module, unless its class customises
+# ``__reduce__``, is pickled as the object, its ``__getstate__`` and its set slots.
 _SLOTS: dict[type, tuple[str, ...]] = {}
 
 
@@ -421,8 +420,8 @@ def _module_setstate() -> Any:
     return torch.nn.Module.__setstate__
 
 
-# Note [Attributes in their order]: ``OrderedDict.__reduce__`` calls the class, then sets the
-# saved attributes; a subclass whose ``__init__`` sets its own (diffusers' ``FrozenDict`` sets
+# Note [Attributes in their order]: ``OrderedDict.__reduce__`` calls the class, then sets the saved
+# attributes; a subclass whose ``__init__`` sets its own (diffusers' ``FrozenDict`` sets
 # ``__frozen`` last) then comes back in another ``vars()`` order. Such objects (OrderedDict
 # subclasses with a ``__dict__`` and the default reduction) are made by ``__new__``, get their
 # items, then exactly the saved attribute dict.
@@ -434,8 +433,7 @@ def _ordered_with_attributes(cls: type) -> bool:
 
 
 def reduce_ordered(obj: Any) -> Any:
-    return (_NEWOBJ, (type(obj),), dict(obj.__dict__), None, iter(obj.items()),
-            _set_attribute_dict)
+    return (_NEWOBJ, (type(obj),), dict(obj.__dict__), None, iter(obj.items()), _set_attribute_dict)
 
 
 def _set_attribute_dict(obj: Any, state: dict[str, Any]) -> None:
@@ -448,14 +446,14 @@ def _has_hooks(module: Any) -> bool:
 
 
 # Note [Hook ids]: a hook's id is its handle's number from torch's process-wide counter
-# (``RemovableHandle.next_id``) and its key in its module's tables. A plain load numbers hooks
-# from this process's counter; a rebuilt one would keep the storing process's numbers, and the
-# user's next ``register_forward_hook`` could get an id already used (it replaces that hook, and
-# removing it removes both). So the counter is read before and after the original load
-# (``taken``, in the entry) and a rebuilt stream with hooks is renumbered: ``before + i`` becomes
-# ``start + i`` in every table (in place: handles hold weak references to them) and handle, and
-# the counter ends where a plain load would leave it; other keys stay. Streams without hooks skip
-# the walk (``WritePlan.hooks``); verify mode sets the counter back before its plain load.
+# (``RemovableHandle.next_id``) and its key in its module's tables. A plain load numbers hooks from
+# this process's counter; a rebuilt one would keep the storing process's numbers, and the user's
+# next ``register_forward_hook`` could get an id already used (it replaces that hook, and removing
+# it removes both). So the counter is read before and after the original load (``taken``, in the
+# entry) and a rebuilt stream with hooks is renumbered: ``before + i`` becomes ``start + i`` in
+# every table (in place: handles hold weak references to them) and handle, and the counter ends
+# where a plain load would leave it; other keys stay. Streams without hooks skip the walk
+# (``WritePlan.hooks``); verify mode sets the counter back before its plain load.
 def hook_counter() -> int:
     """torch's hook id counter now (0 before torch is imported: nothing took an id)."""
     hooks = sys.modules.get("torch.utils.hooks")
@@ -470,9 +468,9 @@ def set_hook_counter(value: int) -> None:
 
 
 def renumber_hooks(obj: Any, start: int, taken: tuple[int, int]) -> None:
-    """Give a rebuilt object's hooks the ids a plain load here would (Note [Hook ids]):
-    ``start`` is this process's counter before unpickling, ``taken`` the storing process's
-    before and after its load."""
+    """Give a rebuilt object's hooks the ids a plain load here would (Note [Hook ids]): ``start`` is
+    this process's counter before unpickling, ``taken`` the storing process's before and after its
+    load."""
     import torch
     from torch.utils.hooks import RemovableHandle
 
@@ -523,8 +521,7 @@ def reduce_tokenizer(tok: Any) -> Any:
     pickling parses one big JSON (0.2 s for CLIP); this takes a third. Other models keep it."""
     state = json.loads(tok.to_str())
     model = state.get("model", {})
-    if model.get("type") != "BPE" or not set(model) <= {"type", "vocab", "merges",
-                                                         *_BPE_OPTIONS}:
+    if model.get("type") != "BPE" or not set(model) <= {"type", "vocab", "merges", *_BPE_OPTIONS}:
         return NotImplemented
     vocab = model["vocab"]
     # Added tokens get the next id after the *stub's* vocabulary, so the stub holds every added
@@ -535,8 +532,7 @@ def reduce_tokenizer(tok: Any) -> Any:
     if len(set(stub_vocab.values())) != len(stub_vocab):
         return NotImplemented  # two names for one id: leave it to the library
     stub = dict(state, model=dict(model, vocab=stub_vocab, merges=[]))
-    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1))
-              for m in model["merges"]]
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in model["merges"]]
     options = {k: model[k] for k in _BPE_OPTIONS if model.get(k) is not None}
     # Attributes set on the object come back too (CLIPTokenizer wraps ``decode``: dill).
     attributes = dict(getattr(tok, "__dict__", None) or {})
@@ -562,8 +558,8 @@ def rebuild_tokenizer(stub: str, vocab: dict[str, int], merges: list[tuple[str, 
 
 
 # Note [Hashes of strings]: transformers' GenerationConfig records ``hash(self)`` at load and
-# compares it later to tell whether the user changed it. String hashes are salted per process,
-# so a rebuilt one would look modified: a hash that was current when pickled is recomputed.
+# compares it later to tell whether the user changed it. String hashes are salted per process, so a
+# rebuilt one would look modified: a hash that was current when pickled is recomputed.
 def reduce_rehashed(obj: Any, state: dict[str, Any]) -> tuple[Any, ...]:
     current = state.get("_original_object_hash") == _safe_hash(obj)
     return (rebuild_rehashed, (type(obj), dict(state), current))
@@ -584,8 +580,7 @@ def rebuild_rehashed(cls: type[Any], state: dict[str, Any], current: bool) -> An
     return obj
 
 
-def _make_pickler(base: type, file: io.BytesIO, plan: WritePlan,
-                  components: dict[int, str]) -> Any:
+def _make_pickler(base: type, file: io.BytesIO, plan: WritePlan, components: dict[int, str]) -> Any:
     import torch
     from torch.utils.hooks import RemovableHandle
 
@@ -594,10 +589,10 @@ def _make_pickler(base: type, file: io.BytesIO, plan: WritePlan,
     compact_modules = _module_layout_known()
 
     class StoragePickler(base):  # type: ignore[misc]
-        # Note [The pickler's hot path]: ``persistent_id`` would be called for every object
-        # (70,000 for an SD UNet, against 686 storages); ``reducer_override`` is not called for
-        # builtin scalars and exact containers, nor memoized objects: 9,000 calls. So storages
-        # and components are reduced here, decided by the object's type.
+        # Note [The pickler's hot path]: ``persistent_id`` would be called for every object (70,000
+        # for an SD UNet, against 686 storages); ``reducer_override`` is not called for builtin
+        # scalars and exact containers, nor memoized objects: 9,000 calls. So storages and
+        # components are reduced here, decided by the object's type.
         def reducer_override(self, obj: Any) -> Any:
             if components:
                 key = components.get(id(obj))
@@ -631,8 +626,7 @@ def _make_pickler(base: type, file: io.BytesIO, plan: WritePlan,
             if kind == "ndarray":  # Note [Strided arrays]
                 return reduce_strided_array(obj)
             if kind == "hooks":  # Note [Hook ids]
-                plan.hooks = plan.hooks or not isinstance(obj, torch.nn.Module) or _has_hooks(
-                    obj)
+                plan.hooks = plan.hooks or not isinstance(obj, torch.nn.Module) or _has_hooks(obj)
                 return NotImplemented
             if kind == "code":  # a class or function, once per stream (then memoized)
                 plan.classes.append(obj)
@@ -657,8 +651,8 @@ def _make_pickler(base: type, file: io.BytesIO, plan: WritePlan,
 
 
 # Note [Components by reference]: a component passed to the call that came from the cache
-# (``vae=vae``) is pickled as its key and unpickled as the object the caller passed, so
-# ``pipe.vae is vae`` holds; a hit has them at hand, their keys are part of the call's key.
+# (``vae=vae``) is pickled as its key and unpickled as the object the caller passed, so ``pipe.vae
+# is vae`` holds; a hit has them at hand, their keys are part of the call's key.
 def dump(obj: Any, components: dict[int, str] | None = None, *,
          sources: SourceMap | None = None,
          exclude: frozenset[str] = frozenset()) -> tuple[bytes, WritePlan, str]:
@@ -675,9 +669,9 @@ def dump(obj: Any, components: dict[int, str] | None = None, *,
             if kind == "pickle":
                 pickler.dump(obj)
             else:
-                # Note [Classes by reference]: dill would pickle a class defined in a function
-                # by value, and a hit's ``isinstance(model, TinyNet)`` would be False. Classes go
-                # by reference as in pickle (such a result is uncached); functions by value.
+                # Note [Classes by reference]: dill would pickle a class defined in a function by
+                # value, and a hit's ``isinstance(model, TinyNet)`` would be False. Classes go by
+                # reference as in pickle (such a result is uncached); functions by value.
                 pickler._byref = True
                 with warnings.catch_warnings():
                     # dill warns about each class it cannot find by name, then fails on it
@@ -689,8 +683,7 @@ def dump(obj: Any, components: dict[int, str] | None = None, *,
         except Exception as exc:  # noqa: BLE001 - whatever a reducer raises: try dill, then
             errors.append(exc)  # give up (Note [Never worse than plain] in ``load``)
     first = errors[0]
-    raise NotCacheable(f"the result cannot be pickled: {type(first).__name__}: {first}"
-                       ) from first
+    raise NotCacheable(f"the result cannot be pickled: {type(first).__name__}: {first}") from first
 
 
 def _dill() -> Any:
@@ -712,8 +705,8 @@ def _numpy_dtypes() -> dict[Any, Any]:
 
 
 class _Frame:
-    """One stream being unpickled: views of its mapped segments, storages by location, the
-    call's components, and bound torch functions (Note [One call per tensor])."""
+    """One stream being unpickled: views of its mapped segments, storages by location, the call's
+    components, and bound torch functions (Note [One call per tensor])."""
 
     def __init__(self, mappings: list[Mapping], components: dict[str, Any]) -> None:
         import torch
@@ -771,8 +764,7 @@ def _frame() -> _Frame:
     return _loading.stack[-1]
 
 
-def _storage(seg: int, offset: int, nbytes: int, dtype_name: str, device: str,
-             typed: bool) -> Any:
+def _storage(seg: int, offset: int, nbytes: int, dtype_name: str, device: str, typed: bool) -> Any:
     """A storage over ``[offset, +nbytes)`` of mapped segment ``seg`` (no byte copied)."""
     untyped = _frame().storage(seg, offset, nbytes, device)
     if not typed:
@@ -814,10 +806,10 @@ def load_stream(stream: memoryview, kind: str, mappings: list[Mapping],
                 hooks: tuple[int, int] | None = None) -> Any:
     """Rebuild an object from its stream and mapped segments (and passed components).
 
-    Note [No collection while rebuilding]: the cyclic collector is off while unpickling. An SD
-    UNet makes ~25,000 containers, so the young generation's threshold ran it ~25 times per
-    rebuild over live objects (1.5-2 ms of 11-13 ms, or a full collection). Nothing made is
-    cyclic garbage; the collector is switched back on, if it was, before returning.
+    Note [No collection while rebuilding]: the cyclic collector is off while unpickling. An SD UNet
+    makes ~25,000 containers, so the young generation's threshold ran it ~25 times per rebuild over
+    live objects (1.5-2 ms of 11-13 ms, or a full collection). Nothing made is cyclic garbage; the
+    collector is switched back on, if it was, before returning.
     """
     frame = _Frame(mappings, components or {})
     buffers = [frame.views[s][o:o + n] for s, o, n in buffer_locations]
@@ -838,8 +830,8 @@ def load_stream(stream: memoryview, kind: str, mappings: list[Mapping],
         frame.release()
 
 
-# Note [Dynamic modules]: diffusers and transformers import a model's own code (custom
-# pipelines, trust_remote_code) as top-level packages in HF_MODULES_CACHE: put it on sys.path.
+# Note [Dynamic modules]: diffusers and transformers import a model's own code (custom pipelines,
+# trust_remote_code) as top-level packages in HF_MODULES_CACHE: put it on sys.path.
 _DYNAMIC_PACKAGES = {"diffusers_modules", "transformers_modules"}
 
 

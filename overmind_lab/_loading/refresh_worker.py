@@ -1,10 +1,10 @@
 """The refresh worker: ``python -m overmind_lab._loading.refresh_worker``.
 
 The daemon's ``Refresher`` (``overmind_lab._daemon.refresh``) starts this process with the
-interpreter that first stored the entry and sends the recorded call as JSON on stdin. It
-replays the call inside ``refreshing()``, so the load reads the source again and stores
-under the key it computes now, and prints one JSON line: ``{"ok": true, "key": ...}`` or
-``{"ok": false, "error": ...}``.
+interpreter that first stored the entry and sends the recorded call as JSON on stdin. It replays the
+call inside ``refreshing()``, so the load reads the source again and stores under the key it
+computes now, and prints one JSON line: ``{"ok": true, "key": ...}`` or ``{"ok": false, "error":
+...}``.
 """
 
 from __future__ import annotations

@@ -2,17 +2,17 @@
 
 The daemon creates a segment (a file, or a memfd) and hands over a writable fd;
 :func:`write_segment` fills it (Note [Filling a segment]); on ``store`` the daemon makes it
-read-only for good (0400 and ``O_RDONLY`` fds, or sealed). :func:`map_segment` maps a received
-fd ``MAP_PRIVATE`` with write permission.
+read-only for good (0400 and ``O_RDONLY`` fds, or sealed). :func:`map_segment` maps a received fd
+``MAP_PRIVATE`` with write permission.
 
-Note [Copy-on-write isolation]: every process that loaded a model shares it, yet each may change
-its copy (fine-tune, ``.half()`` in place) unseen by the others: the segment is read-only, and a
-write to a ``MAP_PRIVATE | PROT_WRITE`` page copies that page into the writer first. Untouched
-pages stay shared page cache; the entry stays what was stored.
+Note [Copy-on-write isolation]: every process that loaded a model shares it, yet each may change its
+copy (fine-tune, ``.half()`` in place) unseen by the others: the segment is read-only, and a write
+to a ``MAP_PRIVATE | PROT_WRITE`` page copies that page into the writer first. Untouched pages stay
+shared page cache; the entry stays what was stored.
 
-Note [Provenance]: mappings are remembered by address range until unmapped, so pickling an
-object from the cache (``vae=vae``) can reference its segment instead of copying; as a process
-may have written its private copy, only bytes equal to the sealed segment are referenced.
+Note [Provenance]: mappings are remembered by address range until unmapped, so pickling an object
+from the cache (``vae=vae``) can reference its segment instead of copying; as a process may have
+written its private copy, only bytes equal to the sealed segment are referenced.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Any
 from overmind_lab import _native
 
 __all__ = ["write_segment", "map_segment", "Mapping", "find_mapping", "mapped_fds", "prefault"]
-#: 1 faults every page of a warm load in before returning; off, a warm load costs the same
-#: for 1 GB or 10 GB and pages fault in on first use.
+#: 1 faults every page of a warm load in before returning; off, a warm load costs the same for 1 GB
+#: or 10 GB and pages fault in on first use.
 PREFAULT_ENV = "OVERMIND_LAB_PREFAULT"
 #: Note [Filling a segment]: the file is written in windows of this size, aligned to it.
 _WINDOW = 8 << 20
@@ -38,19 +38,18 @@ _ZEROS = bytes(64 << 10)  # padding between items (storages are 64-byte aligned)
 
 
 def write_segment(fd: int, size: int, items: Sequence[tuple[int, Any]]) -> None:
-    """Fill the new segment ``fd`` (``size`` bytes) with ``items`` (offset, buffer), in
-    increasing offset order, not overlapping. The caller keeps ``fd``; nothing is mapped.
+    """Fill the new segment ``fd`` (``size`` bytes) with ``items`` (offset, buffer), in increasing
+    offset order, not overlapping. The caller keeps ``fd``; nothing is mapped.
 
-    Note [Filling a segment]: ``pwritev`` from one thread, one aligned 8 MiB window per call
-    (the items' pieces in it and zero padding). A buffered write's folio size follows the
-    write's length at that position (ext4 since 6.16, xfs earlier): a write covering a 2 MiB
-    aligned block gets one PMD-sized folio, mapped by readers with one page-table entry. The
-    first touch of a 1.7 GB segment took 7 ms, against 25 ms written item by item in unaligned
-    2 MiB steps (no PMD folio) and 0.15 s for a memfd's 4 KiB pages; writing took the same.
-    A shared writable mapping filled in parallel pays for every page twice (zeroing,
-    ``page_mkwrite``): 1.46-3.25 s against 0.55-0.72 s; two writing threads contend. No
-    ``posix_fallocate``: the daemon checked the space, and a failed write raises ``OSError``
-    (the daemon then deletes the segment).
+    Note [Filling a segment]: ``pwritev`` from one thread, one aligned 8 MiB window per call (the
+    items' pieces in it and zero padding). A buffered write's folio size follows the write's length
+    at that position (ext4 since 6.16, xfs earlier): a write covering a 2 MiB aligned block gets one
+    PMD-sized folio, mapped by readers with one page-table entry. The first touch of a 1.7 GB
+    segment took 7 ms, against 25 ms written item by item in unaligned 2 MiB steps (no PMD folio)
+    and 0.15 s for a memfd's 4 KiB pages; writing took the same. A shared writable mapping filled in
+    parallel pays for every page twice (zeroing, ``page_mkwrite``): 1.46-3.25 s against 0.55-0.72 s;
+    two writing threads contend. No ``posix_fallocate``: the daemon checked the space, and a failed
+    write raises ``OSError`` (the daemon then deletes the segment).
     """
     os.ftruncate(fd, max(size, 1))
     views = [(offset, memoryview(buf).cast("B")) for offset, buf in items]
@@ -92,8 +91,8 @@ _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 
 def _pwritev_all(fd: int, pieces: list[memoryview], offset: int) -> None:
-    """Write ``pieces`` back to back at ``offset``, retrying short writes; more than
-    ``IOV_MAX`` pieces are joined first, so the window still goes in as one write."""
+    """Write ``pieces`` back to back at ``offset``, retrying short writes; more than ``IOV_MAX``
+    pieces are joined first, so the window still goes in as one write."""
     if len(pieces) > _IOV_MAX:
         pieces = [memoryview(b"".join(pieces))]
     first = 0
@@ -129,8 +128,7 @@ class Mapping:
 
     def pristine_equal(self, offset: int, nbytes: int, data: Any) -> bool:
         """Whether ``data`` equals the sealed bytes at ``offset`` (not our private copy)."""
-        with mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED,
-                       prot=mmap.PROT_READ) as ro:
+        with mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as ro:
             view = memoryview(ro)[offset:offset + nbytes]
             try:
                 return bool(_native.equal(view, data))
@@ -144,11 +142,11 @@ _maps: list[Mapping] = []
 
 
 def _fresh_lock_after_fork() -> None:
-    """Note [The mapping registry across fork]: a background store's forked child looks
-    mappings up; had another thread held ``_lock`` at the fork, the child's copy would stay
-    locked and the store hang, holding the lease, so the child gets a new lock. (Taking the lock
-    around the fork would deadlock: a collection in another fork handler runs ``_forget``.)
-    Lists changed at the fork may be out of step: a wrong lookup's bytes differ, and are copied.
+    """Note [The mapping registry across fork]: a background store's forked child looks mappings up;
+    had another thread held ``_lock`` at the fork, the child's copy would stay locked and the store
+    hang, holding the lease, so the child gets a new lock. (Taking the lock around the fork would
+    deadlock: a collection in another fork handler runs ``_forget``.) Lists changed at the fork may
+    be out of step: a wrong lookup's bytes differ, and are copied.
     """
     global _lock
     _lock = threading.Lock()
@@ -160,13 +158,12 @@ os.register_at_fork(after_in_child=_fresh_lock_after_fork)
 def map_segment(segment_id: str, size: int, fd: int) -> tuple[Mapping, mmap.mmap]:
     """Map ``fd`` copy-on-write, taking ownership of it: the registry record and the mapping.
 
-    Note [Mapping lifetime]: only the tensors over it (and the caller while it builds them)
-    keep the ``mmap`` alive; the registry holds it weakly, so the last tensor unmaps it.
+    Note [Mapping lifetime]: only the tensors over it (and the caller while it builds them) keep the
+    ``mmap`` alive; the registry holds it weakly, so the last tensor unmaps it.
     """
     alloc = max(size, 1)
     try:
-        mm = mmap.mmap(fd, alloc, flags=mmap.MAP_PRIVATE,
-                       prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        mm = mmap.mmap(fd, alloc, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
         os.close(fd)
         raise

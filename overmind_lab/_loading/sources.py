@@ -1,27 +1,18 @@
 """Storages that are unchanged regions of a source file: referenced, never copied.
 
-A safetensors file loaded without conversion is not copied by the loader: its tensors are
-views of a ``MAP_PRIVATE`` mapping of the file. Caching such a model needs no copy either:
-the entry references the file (the daemon holds it open, so a delete or a rename-replace
-of the original keeps the data, and checks before each hit that the path still names the
-same, unchanged file: Note [Source files are held, not linked] in the daemon) and records
-where each storage lies in it.
+A safetensors file loaded without conversion gives views of a ``MAP_PRIVATE`` mapping of it; the
+entry references the file instead of copying (the daemon holds it open and checks it before each
+hit: Note [Source files are held, not linked]) and records where each storage lies.
+:func:`find_source` accepts a storage whose bytes lie in one file mapping of this process
+(``/proc/self/maps``), of that very file (device, inode), with no page written privately since
+(``pagemap``: a copied page is anonymous). Anything else is copied.
 
-:func:`find_source` tells whether a storage is such a region: its bytes lie in one file
-mapping of this process (``/proc/self/maps``), the file is the one mapped (same device and
-inode), and none of its pages was written privately since it was mapped (``pagemap``: a
-page copied on write is anonymous; a page never touched, or present and file-backed, holds
-the file's bytes). Anything else is copied as before.
-
-Note [Referenced source files]: a referenced file is shared with its owner, who may
-rewrite it in place (``save_pretrained`` replaces files by a new inode, which is harmless:
-the link keeps the old one; a tool that truncates or rewrites the same inode is not). The
-daemon never maps or reads a referenced file, so nothing done to it can crash the daemon
-or corrupt other entries. Before every warm load the daemon compares the file's (device,
-inode, size, mtime_ns) with those recorded at store time; a mismatch makes the entry stale
-and the load cold. A kernel that already maps the file sees what a kernel that loaded it
-plainly sees: changed bytes in pages it did not write, or ``SIGBUS`` past a truncated end.
-That is the hazard of plain ``safetensors`` loading too, no worse.
+Note [Referenced source files]: the file is shared with its owner, who may rewrite it
+(``save_pretrained`` makes a new inode, harmless; an in-place rewrite is not). The daemon never maps
+or reads it, so nothing done to it harms the daemon or other entries; before every warm load it
+compares (device, inode, size, mtime_ns) with the store's, and a mismatch makes the load cold. A
+kernel already mapping the file sees what a plain load's kernel sees (changed bytes, or ``SIGBUS``
+past a truncation): the hazard of plain ``safetensors`` loading, no worse.
 """
 
 from __future__ import annotations

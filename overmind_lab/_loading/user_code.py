@@ -1,12 +1,12 @@
-"""The user's own code in cache keys: which code is not a regular installed distribution's,
-and a digest of it.
+"""The user's own code in cache keys: which code is not a regular installed distribution's, and a
+digest of it.
 
-Library versions say what library code is; nothing says what the user's code is (a model class
-in the notebook's folder, ``__main__``, a cell, an HF dynamic module, an editable install), and
-editing a model class then restarting is the loop this serves. So it enters by a digest
-(Note [Code in the key]): :func:`code_of` the loader's, for the key; :func:`graph_code` the
-classes and functions in the result, stored with the entry, compared on a hit by :func:`changed`.
-Regular code (Note [Regular code]) costs a cached dictionary lookup per class.
+Library versions say what library code is; nothing says what the user's code is (a model class in
+the notebook's folder, ``__main__``, a cell, an HF dynamic module, an editable install), and editing
+a model class then restarting is the loop this serves. So it enters by a digest
+(Note [Code in the key]): :func:`code_of` the loader's, for the key; :func:`graph_code` the classes
+and functions in the result, stored with the entry, compared on a hit by :func:`changed`. Regular
+code (Note [Regular code]) costs a cached dictionary lookup per class.
 """
 
 from __future__ import annotations
@@ -29,22 +29,21 @@ from urllib.parse import unquote, urlparse
 
 from overmind_lab._errors import NotCacheable
 
-__all__ = ["code_of", "graph_code", "changed", "is_regular_file", "file_digest",
-           "object_digest"]
+__all__ = ["code_of", "graph_code", "changed", "is_regular_file", "file_digest", "object_digest"]
 
 #: Hex digits kept of a sha256.
 _DIGEST = 32
 
 
-# Note [Regular code]: a module file is regular when the longest root it lies under is regular:
-# the standard library (sysconfig's stdlib and platstdlib of every prefix), site-packages and
-# dist-packages folders (site's, and any on ``sys.path``). Editable installs are roots of their
-# own, not regular: a dist-info's ``direct_url.json`` editable folder (PEP 610/660), an
-# ``.egg-link`` target, ``__editable__*.pth`` folders, setuptools' editable finders' ``MAPPING``.
-# Longest wins both ways: this repository is an editable root holding ``.venv``, whose
-# site-packages stays regular. Only the site folders on ``sys.path`` are searched, and
-# direct_url.json only read when a ``.pth`` is named after it (~0.3 ms in all). Everything outside
-# every root (the notebook's folder, HF_MODULES_CACHE) is user code. Computed once per process.
+# Note [Regular code]: a module file is regular when the longest root it lies under is regular: the
+# standard library (sysconfig's stdlib and platstdlib of every prefix), site-packages and
+# dist-packages folders (site's, and any on ``sys.path``). Editable installs are roots of their own,
+# not regular: a dist-info's ``direct_url.json`` editable folder (PEP 610/660), an ``.egg-link``
+# target, ``__editable__*.pth`` folders, setuptools' editable finders' ``MAPPING``. Longest wins
+# both ways: this repository is an editable root holding ``.venv``, whose site-packages stays
+# regular. Only the site folders on ``sys.path`` are searched, and direct_url.json only read when a
+# ``.pth`` is named after it (~0.3 ms in all). Everything outside every root (the notebook's folder,
+# HF_MODULES_CACHE) is user code. Computed once per process.
 @functools.lru_cache(maxsize=1)
 def _roots() -> tuple[tuple[str, bool], ...]:
     """(root + separator, regular?) pairs, longest first."""
@@ -86,8 +85,8 @@ def _editable_roots(entries: list[str]) -> list[str]:
             names = os.listdir(entry)
         except OSError:
             continue
-        # An editable wheel works through a .pth file named after the project: only those
-        # projects' direct_url.json is read, not one per distribution (~1 ms).
+        # An editable wheel works through a .pth file named after the project: only those projects'
+        # direct_url.json is read, not one per distribution (~1 ms).
         pths = "|".join(_canonical(n) for n in names if n.endswith(".pth"))
         for name in names:
             if not name.endswith(_EDITABLE_SUFFIXES) or (
@@ -161,8 +160,8 @@ def is_regular_file(path: str) -> bool:
 _packages: dict[str, tuple[str, bool]] = {}
 
 
-# Note [One decision per package]: resolving a path costs ~25 µs (an ``lstat`` per component);
-# a module whose file lies in its top-level package's folder gets that package's decision.
+# Note [One decision per package]: resolving a path costs ~25 µs (an ``lstat`` per component); a
+# module whose file lies in its top-level package's folder gets that package's decision.
 def _regular_module_file(name: str, file: str) -> bool:
     top = name.partition(".")[0]
     known = _packages.get(top)
@@ -171,16 +170,15 @@ def _regular_module_file(name: str, file: str) -> bool:
         top_file = getattr(package, "__file__", None)
         if not isinstance(top_file, str) or os.path.basename(top_file) != "__init__.py":
             return is_regular_file(file)  # a plain module, or a namespace package
-        known = _packages[top] = (os.path.dirname(top_file) + os.sep,
-                                  is_regular_file(top_file))
+        known = _packages[top] = (os.path.dirname(top_file) + os.sep, is_regular_file(top_file))
     if file.startswith(known[0]):
         return known[1]
     return is_regular_file(file)
 
 
 def _module_file(module: types.ModuleType | None) -> str | None | Literal[False]:
-    """The file of a user module, ``None`` for a user module without one (``__main__`` of
-    ``python -c``, a notebook's), ``False`` for a regular module (or an unknown one)."""
+    """The file of a user module, ``None`` for a user module without one (``__main__`` of ``python
+    -c``, a notebook's), ``False`` for a regular module (or an unknown one)."""
     if module is None:
         return False
     file = getattr(module, "__file__", None)
@@ -230,14 +228,14 @@ def _process_start_ns() -> int:
 _process_start_ns()
 
 
-# Note [A file changed under a running process]: a module file's digest is of the file on disk,
-# but the process runs what it imported. If the user edits a module after its import, a miss
-# would store the old code's object under the new file's digest. So a user file changed (ctime)
-# after this process started is compiled, and every function and method the module defines must
-# be one of its code objects (they compare by bytecode, constants, names, lines). A module first
-# written then imported in the session (``%%writefile``) passes; one edited after its import
-# raises NotCacheable (uncached until a restart). Class constants are not compared;
-# HF_MODULES_CACHE is exempt (transformers re-executes a changed dynamic module).
+# Note [A file changed under a running process]: a module file's digest is of the file on disk, but
+# the process runs what it imported. If the user edits a module after its import, a miss would store
+# the old code's object under the new file's digest. So a user file changed (ctime) after this
+# process started is compiled, and every function and method the module defines must be one of its
+# code objects (they compare by bytecode, constants, names, lines). A module first written then
+# imported in the session (``%%writefile``) passes; one edited after its import raises NotCacheable
+# (uncached until a restart). Class constants are not compared; HF_MODULES_CACHE is exempt
+# (transformers re-executes a changed dynamic module).
 _checked_files: set[tuple[str, int, int, int]] = set()
 
 
@@ -331,8 +329,8 @@ def _inner_functions(func: types.FunctionType) -> list[types.FunctionType]:
 
 def object_digest(obj: Any) -> str | None:
     """The digest of a class's or function's code; ``None`` for regular code. Raises
-    :class:`NotCacheable` when its file changed after its import (Note [A file changed under a
-    running process])."""
+    :class:`NotCacheable` when its file changed after its import
+    (Note [A file changed under a running process])."""
     name = getattr(obj, "__module__", None) or ""
     if name.partition(".")[0] == "overmind_lab":
         return None  # our own reducers: FORMAT_VERSION says what they are
@@ -354,18 +352,17 @@ def _digest(obj: Any, module: types.ModuleType | None, file: str | None) -> str:
     return h.hexdigest()[:_DIGEST]
 
 
-# Note [Code without a file]: ``python -c``'s ``__main__`` and notebook cells have no module
-# file. A function enters by its source (linecache holds IPython's cells), else its code objects
+# Note [Code without a file]: ``python -c``'s ``__main__`` and notebook cells have no module file. A
+# function enters by its source (linecache holds IPython's cells), else its code objects
 # recursively, and its defaults; a class by its name, bases and its ``__dict__`` in name order
-# (functions as above, also behind staticmethod, classmethod, property; nested classes; plain
-# values by ``repr``, others by type). Not ``marshal``: its output depends on reference counts.
+# (functions as above, also behind staticmethod, classmethod, property; nested classes; plain values
+# by ``repr``, others by type). Not ``marshal``: its output depends on reference counts.
 def _hash_object(obj: Any, h: Any, seen: set[int]) -> None:
     if id(obj) in seen:
         return
     seen.add(id(obj))
     if isinstance(obj, type):
-        h.update(f"class {obj.__qualname__}{[b.__qualname__ for b in obj.__bases__]}"
-                 .encode())
+        h.update(f"class {obj.__qualname__}{[b.__qualname__ for b in obj.__bases__]}" .encode())
         for name in sorted(vars(obj)):
             if name in ("__dict__", "__weakref__", "__module__", "__doc__", "__qualname__"):
                 continue
@@ -469,15 +466,14 @@ def code_of(fn: Callable[..., Any]) -> dict[str, str]:
     return out
 
 
-#: class (or function) -> loader function found all regular: a repeated key skips the MRO
-#: walk (~10 µs); regularity and MROs do not change in a process.
+#: class (or function) -> loader function found all regular: a repeated key skips the MRO walk (~10
+#: µs); regularity and MROs do not change in a process.
 _regular_loaders: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
-def _guarded(digests: Callable[[list[Any]], dict[str, str]],
-             items: list[Any]) -> dict[str, str]:
-    """Note [Digests never fail a load]: whatever goes wrong (a file deleted since import, a
-    source inspect cannot parse) makes the load uncached (:class:`NotCacheable`), never fails."""
+def _guarded(digests: Callable[[list[Any]], dict[str, str]], items: list[Any]) -> dict[str, str]:
+    """Note [Digests never fail a load]: whatever goes wrong (a file deleted since import, a source
+    inspect cannot parse) makes the load uncached (:class:`NotCacheable`), never fails."""
     try:
         return digests(items)
     except NotCacheable:
@@ -488,12 +484,11 @@ def _guarded(digests: Callable[[list[Any]], dict[str, str]],
 
 def graph_code(objects: Iterable[Any]) -> dict[str, str]:
     """The user's code among the classes and functions a result's stream names (and MROs), as
-    :func:`code_of` lists it; what has no name nor file (a lambda in ``python -c``) is left
-    out: pickle stores it by value."""
+    :func:`code_of` lists it; what has no name nor file (a lambda in ``python -c``) is left out:
+    pickle stores it by value."""
     out = _guarded(_digests, list(objects))
     for name in list(out):
-        if _resolve(name) is None and _module_file(
-                sys.modules.get(name.partition(":")[0])) is None:
+        if _resolve(name) is None and _module_file(sys.modules.get(name.partition(":")[0])) is None:
             del out[name]
     return out
 

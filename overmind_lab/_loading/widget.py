@@ -5,11 +5,8 @@ For frontends without the JupyterLab sidebar (VS Code, Notebook 7, Colab-like ho
     import overmind_lab
     overmind_lab.widget()
 
-One row per cache entry (name, size, hits, cold vs warm seconds, the processes that map
-it) with *Evict* and *Refresh* buttons, the memory used against the budget and against
-what the system has available, and *Evict all*. The panel polls the daemon every
-``interval`` seconds from a background thread until it is closed (``panel.close()``, or
-closing the output in the frontend).
+One row per entry (name, size, hits, cold vs warm, holders) with *Evict* and *Refresh*, memory
+against the budget and the system, and *Evict all*; polls every ``interval`` s until closed.
 """
 
 from __future__ import annotations
@@ -50,9 +47,9 @@ _GRID = "minmax(16em, 3fr) repeat(6, minmax(5em, 1fr)) 11em"
 def widget(*, interval: float | None = 2.0, client: Client | None = None) -> OvermindPanel:
     """An ipywidgets panel that shows and manages the cache.
 
-    ``interval``: seconds between polls of the daemon (``None``: only on demand, with
-    the panel's *Reload* button or :meth:`OvermindPanel.poll`). ``client``: an
-    :class:`overmind_lab.Client` (default: the user's daemon).
+    ``interval``: seconds between polls of the daemon (``None``: only on demand, with the panel's
+    *Reload* button or :meth:`OvermindPanel.poll`). ``client``: an :class:`overmind_lab.Client`
+    (default: the user's daemon).
 
     >>> import overmind_lab
     >>> panel = overmind_lab.widget()        # doctest: +SKIP
@@ -231,8 +228,8 @@ class OvermindPanel(w.VBox):  # type: ignore[misc]
         self._say(f"evicted {len(self.client.evict_all())} entries")
 
     def _act(self, action: Callable[[], None]) -> None:
-        """Run a button's action: errors become the panel's message, not a lost
-        traceback in the browser console."""
+        """Run a button's action: errors become the panel's message, not a lost traceback in the
+        browser console."""
         try:
             action()
         except UnknownEntry as exc:

@@ -1,15 +1,15 @@
 """The zygote: a process that imported the heavy libraries once and forks kernels.
 
-``python -m overmind_lab._zygote --socket PATH --owner PID`` (started detached on first use)
-listens in the per-user 0700 directory, serves only its uid (``SO_PEERCRED``) and answers
-``fork`` (argv, env, cwd, stdio fds: the child's pid and pidfd, then its exit status on the same
-connection), ``status`` and ``replace``. Single-threaded: one ``poll`` loop over the socket,
-connections and pidfds; never tensor work, thread pools, CUDA or zmq (:func:`fork_refusal`).
+``python -m overmind_lab._zygote --socket PATH --owner PID`` (started detached on first use) listens
+in the per-user 0700 directory, serves only its uid (``SO_PEERCRED``) and answers ``fork`` (argv,
+env, cwd, stdio fds: the child's pid and pidfd, then its exit status on the same connection),
+``status`` and ``replace``. Single-threaded: one ``poll`` loop over the socket, connections and
+pidfds; never tensor work, thread pools, CUDA or zmq (:func:`fork_refusal`).
 
 Note [Owners]: a zygote lives while an *owner* (a Jupyter server or launcher that asked it for
-kernels) or one of its kernels lives, then for the idle time (Note [Idle zygote]), so nbconvert
-in a loop is warm from its second run. Owners are watched by pidfd; a SIGKILLed server's kernels
-exit on their own (Note [Parent death] in ``_forked/become.py``).
+kernels) or one of its kernels lives, then for the idle time (Note [Idle zygote]), so nbconvert in a
+loop is warm from its second run. Owners are watched by pidfd; a SIGKILLed server's kernels exit on
+their own (Note [Parent death] in ``_forked/become.py``).
 
 Note [Replacing a zygote]: a new zygote binds a temporary name, imports, then renames its socket
 over the public name, so the old one serves until it is ready; the old one sees its inode gone,
@@ -113,9 +113,8 @@ def _threads() -> int:
 def _stop_library_threads() -> None:
     """Stop threads that a preloaded module started and would restart on its own.
 
-    Note [Library state across the fork]
-    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    Besides BLAS pools (Note [BLAS threads]), state a fork would share or break:
+    Note [Library state across the fork] ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~ Besides BLAS pools
+    (Note [BLAS threads]), state a fork would share or break:
 
     - tqdm's monitor thread starts with the first bar (one made at import): stopped here, or
       the zygote could never fork; a kernel starts its own.
@@ -155,10 +154,9 @@ def _peer_uid_pid(conn: socket.socket) -> tuple[int, int]:
     return uid, pid
 
 
-def _probe_threads(env: dict[str, str], cpus: tuple[int, ...] = ()
-                   ) -> subprocess.Popen[str]:
-    """A fresh interpreter reports the BLAS thread counts a fresh kernel would have (on
-    ``cpus`` if given: the pools size to the CPUs a process may run on)."""
+def _probe_threads(env: dict[str, str], cpus: tuple[int, ...] = ()) -> subprocess.Popen[str]:
+    """A fresh interpreter reports the BLAS thread counts a fresh kernel would have (on ``cpus`` if
+    given: the pools size to the CPUs a process may run on)."""
     # the zygote has one thread, so a function between fork and exec is safe here
     pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     return subprocess.Popen([sys.executable, "-P", "-c", _PROBE], env=env, text=True,
@@ -167,8 +165,8 @@ def _probe_threads(env: dict[str, str], cpus: tuple[int, ...] = ()
 
 
 def _targets_for(state: _State, wanted: dict[str, Any]) -> dict[str, int]:
-    """Note [BLAS threads]: the counts a fresh kernel with the server's CPU affinity gets
-    (probed once per affinity; the boot's probe ran on the zygote's own)."""
+    """Note [BLAS threads]: the counts a fresh kernel with the server's CPU affinity gets (probed
+    once per affinity; the boot's probe ran on the zygote's own)."""
     import json
 
     cpus = tuple(wanted.get("affinity") or ())
@@ -218,8 +216,8 @@ def wanted_modules(paths: ZygotePaths) -> list[str]:
     return [*first, *preload.read_learned(paths.learned)]
 
 
-#: The packages ``python -m ipykernel_launcher`` imports while it starts (Note [Environment
-#: set at import]).
+#: The packages ``python -m ipykernel_launcher`` imports while it starts
+#: (Note [Environment set at import]).
 KERNEL_START_PACKAGES = frozenset({
     "ipykernel", "ipykernel_launcher", "IPython", "debugpy", "jupyter_client", "jupyter_core",
     "zmq", "tornado", "traitlets", "comm"})
@@ -271,19 +269,18 @@ def boot(paths: ZygotePaths, owners: list[int]) -> _State | None:
         start_env: dict[str, str] = {}
         preloaded, failed = _do_preload(paths, start_env)
         # Note [Environment set at import]: a module may set a variable when imported (debugpy,
-        # threadpoolctl); a warm kernel never imports it again and gets the server's env. Those
-        # set by KERNEL_START_PACKAGES (imported by every kernel) the child sets again at start;
-        # the others stay unset, and ``status`` lists them.
-        import_env = {k: v for k, v in os.environ.items()
-                      if k not in before and k not in start_env}
+        # threadpoolctl); a warm kernel never imports it again and gets the server's env. Those set
+        # by KERNEL_START_PACKAGES (imported by every kernel) the child sets again at start; the
+        # others stay unset, and ``status`` lists them.
+        import_env = {k: v for k, v in os.environ.items() if k not in before and k not in start_env}
         _stop_library_threads()
         out, _ = probe.communicate(timeout=120)
         import json
 
         targets = {str(k): int(v) for k, v in json.loads(out or "{}").items()}
         snap = preload.snapshot()
-        # Note [Frozen heap]: a kernel's collection would write the GC header of every object
-        # the zygote imported, copying its page; frozen, those pages stay shared.
+        # Note [Frozen heap]: a kernel's collection would write the GC header of every object the
+        # zygote imported, copying its page; frozen, those pages stay shared.
         gc.collect()
         gc.freeze()
         refusal = fork_refusal()
@@ -384,8 +381,8 @@ def _refused(chan: Channel, reason: str) -> None:
 
 def _handle_fork(state: _State, conn: socket.socket, chan: Channel,
                  request: ForkRequest, fds: list[int], peer: int) -> None:
-    """Fork a kernel for ``request``: in the parent, returns once the child started (or could
-    not); the child never returns (Note [Leaving the zygote's loop] in ``_forked/become.py``)."""
+    """Fork a kernel for ``request``: in the parent, returns once the child started (or could not);
+    the child never returns (Note [Leaving the zygote's loop] in ``_forked/become.py``)."""
     why = _refuse(state, request)
     if why or len(fds) != 3:
         for fd in fds:
@@ -485,8 +482,8 @@ def _booting(paths: ZygotePaths) -> bool:
 
 
 def _maybe_renew(state: _State) -> None:
-    """Note [Replacing a zygote]: a grown preload set is imported by a new zygote in the
-    background (checked after a fork, off its path)."""
+    """Note [Replacing a zygote]: a grown preload set is imported by a new zygote in the background
+    (checked after a fork, off its path)."""
     if state.retiring or time.monotonic() - state.renew_requested < _RENEW_AGAIN_S:
         return
     missing = _missing(state)
@@ -585,15 +582,14 @@ def _loop(state: _State) -> None:
             state.retiring = "replaced by a newer zygote"
         if state.retiring and not state.children:
             return
-        # Note [Idle zygote]: with no owner nor kernel, it stays for the idle time so the next
-        # run is forked; a new owner or kernel resets the clock.
+        # Note [Idle zygote]: with no owner nor kernel, it stays for the idle time so the next run
+        # is forked; a new owner or kernel resets the clock.
         if state.owners or state.children:
             idle_since = None
         elif idle_since is None:
             idle_since = time.monotonic()
         if idle_since is not None and time.monotonic() - idle_since >= zygote_idle_seconds():
-            log.info("no owner and no kernel for %.0f s; exiting",
-                     time.monotonic() - idle_since)
+            log.info("no owner and no kernel for %.0f s; exiting", time.monotonic() - idle_since)
             return
         poller = select.poll()
         if not state.retiring:

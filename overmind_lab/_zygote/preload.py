@@ -1,15 +1,12 @@
 """What a zygote imports, what kernels may learn into it, and how it notices staleness.
 
-The preload set is, in order: :data:`DEFAULT_PRELOAD`; the modules that define the classes
-of the entries now in the cache (the daemon records each entry's class, and importing e.g.
-``transformers.models.llama.modeling_llama`` is most of a warm Llama load); and the
-*learned* modules, the third-party modules earlier warm kernels of the same identity had
-imported when they exited.
+The preload set: :data:`DEFAULT_PRELOAD`, the modules defining the cached entries' classes
+(importing ``transformers.models.llama.modeling_llama`` is most of a warm Llama load), and the
+*learned* modules earlier warm kernels of the same identity had imported.
 
-Note [Third-party only]: a module is preloaded only when its file lies in the interpreter's
-standard library or site-packages. The user's own code (the notebook's folder, anything on
-a path of their own, editable installs, whose files live in a source tree) is never
-preloaded: it must come fresh from disk in every kernel.
+Note [Third-party only]: only modules whose file lies in the standard library or site-packages
+are preloaded; the user's code (the notebook's folder, own paths, editable installs) must come
+fresh from disk in every kernel.
 """
 
 from __future__ import annotations
