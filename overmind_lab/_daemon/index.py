@@ -19,6 +19,13 @@ included; ``shared_bytes``: segments of other entries it references) use it, so
 Segments evicted while a process still maps them are not cached: they are reported
 apart (``evicted_mapped_bytes``).
 
+Note [Descriptor budget]: every segment holds one descriptor in the daemon (its file,
+memfd or held source file), so the number of segments is bounded too: ``max_segments``,
+what ``RLIMIT_NOFILE`` leaves after a reserve for connections and writers
+(``_daemon.process``). A store over it evicts least recently used entries as one over the
+byte budget does. Without it, thousands of small entries ran the daemon out of
+descriptors: ``accept`` failed with EMFILE and every later load waited for its timeout.
+
 Note [Eviction and mappings]: closing the daemon's fd or deleting the file never breaks a
 process that maps the segment: the kernel keeps the pages until the last mapping goes.
 Such segments are remembered in ``evicted`` so that status can report memory that is
@@ -89,8 +96,10 @@ class Entry:
 
 class Index:
     def __init__(self, budget: int,
-                 on_drop: Callable[[Segment], None] | None = None) -> None:
+                 on_drop: Callable[[Segment], None] | None = None,
+                 max_segments: int | None = None) -> None:
         self.budget = budget
+        self.max_segments = max_segments  # Note [Descriptor budget]; None: no bound
         self.on_drop = on_drop
         self.entries: OrderedDict[str, Entry] = OrderedDict()
         self.segments: dict[str, Segment] = {}
@@ -123,24 +132,37 @@ class Index:
         return match_keys(key_or_prefix, ((k, e.name) for k, e in self.entries.items()))
 
     # -- budget -----------------------------------------------------------------------
-    def reserve(self, token: str, nbytes: int, protect: set[str]) -> list[str]:
-        """Make room for ``nbytes`` (evicting LRU entries not in ``protect``)."""
+    def reserve(self, token: str, nbytes: int, protect: set[str],
+                segments: int = 1) -> list[str]:
+        """Make room for ``nbytes`` in ``segments`` new segments (evicting LRU entries not
+        in ``protect``: Note [Descriptor budget] bounds the count)."""
         if nbytes > self.budget:
             raise TooLarge(
                 f"{nbytes} bytes exceed the whole budget of {self.budget} bytes"
             )
         evicted: list[str] = []
-        while self._used() + nbytes > self.budget:
+        while self._used() + nbytes > self.budget or self._over_count(segments):
             victim = next((k for k in self.entries if k not in protect), None)
             if victim is None:
-                raise TooLarge(
-                    f"{nbytes} bytes do not fit: {self._used()} of {self.budget} bytes are "
-                    "held by entries this one depends on"
-                )
+                what = (f"{self._used()} of {self.budget} bytes" if not self._over_count(
+                    segments) else f"{len(self.segments)} of {self.max_segments} segments")
+                raise TooLarge(f"{nbytes} bytes do not fit: {what} are held by entries "
+                               "this one depends on")
             self.evict(victim)
             evicted.append(victim)
         self.reserved[token] = nbytes
         return evicted
+
+    def _over_count(self, new: int) -> bool:
+        return (self.max_segments is not None
+                and len(self.segments) + len(self.reserved) + new > self.max_segments)
+
+    def evict_oldest(self) -> str | None:
+        """Evict the least recently used entry (descriptors ran out); its key, if any."""
+        victim = next(iter(self.entries), None)
+        if victim is not None:
+            self.evict(victim)
+        return victim
 
     def unreserve(self, token: str) -> None:
         self.reserved.pop(token, None)

@@ -15,6 +15,7 @@ import errno
 import fcntl
 import logging
 import os
+import resource
 import socket
 import sys
 from pathlib import Path
@@ -67,6 +68,17 @@ def _prepare_dir(path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
 
 
+def _raise_descriptor_limit() -> None:
+    """The soft ``RLIMIT_NOFILE`` up to the hard one: each segment holds a descriptor
+    (Note [Descriptor budget] in ``index``), and a soft limit of 1024 is common."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (OSError, ValueError) as exc:
+            log.info("could not raise the descriptor limit from %d: %s", soft, exc)
+
+
 def run(path: Path, budget: int, ready_fd: int | None = None,
         cache_dir: Path | None = None) -> int:
     """Run a daemon on ``path`` until stopped. Returns the exit status."""
@@ -78,6 +90,7 @@ def run(path: Path, budget: int, ready_fd: int | None = None,
             os.write(ready_fd, b"running\n")
             os.close(ready_fd)
         return 0
+    _raise_descriptor_limit()
     try:
         daemon = Daemon(path, budget, cache_dir or default_cache_dir())
     except CacheDirRefused as exc:

@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
+import resource
 import signal
 import socket
 import struct
@@ -106,6 +108,19 @@ def default_budget() -> int:
     return int(total_memory() * DEFAULT_BUDGET_FRACTION)
 
 
+#: Descriptors the daemon keeps free of segments (Note [Descriptor budget] in ``index``):
+#: connections, writers of segments being stored, the listening socket, logs, the index.
+FD_RESERVE = 256
+
+
+def max_segments() -> int:
+    """How many segments the daemon may hold open (``RLIMIT_NOFILE`` less the reserve)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 20
+    return max(16, soft - FD_RESERVE)
+
+
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, gid = struct.unpack("3i", raw)
@@ -116,7 +131,7 @@ class Daemon:
     def __init__(self, path: Path, budget: int, cache_dir: Path | None = None) -> None:
         self.path = path
         self.store = Store(cache_dir)  # raises CacheDirRefused: refuse to start
-        self.index = Index(budget, on_drop=self._drop)
+        self.index = Index(budget, on_drop=self._drop, max_segments=max_segments())
         self.holders = HolderScanner(self.store.dir if self.store.persistent else None)
         self.leases = Leases(on_release=self._discard_reserved)
         self.pending: dict[str, Segment] = {}  # key -> segment reserved, being written
@@ -172,10 +187,39 @@ class Daemon:
             await asyncio.sleep(0.02)
 
     async def _accept_loop(self, listener: socket.socket) -> None:
+        """Accept connections until stopped. Note [Accept never dies]: an error of
+        ``accept`` is logged and retried; out of descriptors (EMFILE, ENFILE), the least
+        recently used entry is evicted first (Note [Descriptor budget] in ``index``). A
+        loop that ended would leave a daemon that holds its socket and answers nobody:
+        every load would wait for its timeout, and nothing would start a new daemon. Any
+        other exception stops the daemon instead, so that the next load starts one."""
         loop = asyncio.get_running_loop()
         tasks: set[asyncio.Task[None]] = set()
+        failing = False  # log the first failure of a run of them, and the recovery
         while True:
-            conn, _ = await loop.sock_accept(listener)
+            try:
+                conn, _ = await loop.sock_accept(listener)
+            except OSError as exc:
+                freed = (self.index.evict_oldest()
+                         if exc.errno in (errno.EMFILE, errno.ENFILE) else None)
+                if freed:
+                    log.warning("accept failed (%s): evicted %s to free descriptors", exc,
+                                freed[:12])
+                    self.holders.invalidate()
+                    self.save_soon()
+                elif not failing:
+                    log.warning("accept failed (%s); retrying", exc)
+                failing = True
+                await asyncio.sleep(0.05)
+                continue
+            except Exception:
+                log.exception("the accept loop failed; stopping (the next load starts "
+                              "a new daemon)")
+                self.stopping.set()
+                raise
+            if failing:
+                log.info("accepting connections again")
+                failing = False
             task = asyncio.ensure_future(self._serve_client(conn))
             tasks.add(task)  # keep a reference until done
             task.add_done_callback(tasks.discard)
@@ -349,7 +393,8 @@ class Daemon:
         # Note [What an entry costs]: the source files it holds count like its segment.
         linked = sum(footprint(s) for s in self.pending_links.get(key, []))
         try:
-            evicted = self.index.reserve(key, file_bytes(nbytes) + linked, protect)
+            evicted = self.index.reserve(key, file_bytes(nbytes) + linked, protect,
+                                         segments=1 + len(self.pending_links.get(key, [])))
         except TooLarge as exc:
             raise _RequestError(ErrorKind.TOO_LARGE, f"not cached: {exc}") from None
         if evicted:
