@@ -21,7 +21,7 @@ BUILD_INPUTS := pyproject.toml $(CONSTRAINTS) $(MODULE_LIST) CMakeLists.txt $(wi
 	package.json yarn.lock tsconfig.json $(shell find labextension/src labextension/style \
 	labextension/schema jupyter-config -type f 2>/dev/null)
 
-.PHONY: install demo test test-python test-js test-ui ui-deps lint clean images images-bench dist
+.PHONY: install demo test test-python test-js test-ui ui-deps lint clean images images-bench dist bench
 
 install: $(INSTALLED)
 
@@ -40,16 +40,25 @@ demo: install
 	$(PY) -m overmind_lab kernel install --sys-prefix
 	$(PY) examples/demo.py
 
+# The benchmark suite (benchmarks/: a checkout's, not in the wheel): every case, plain vs
+# first vs warm loads of random-weight SD 1.5 and Llama models in fresh processes, PSS, the
+# kernel-restart loop, REST, decoding and warm kernels through a real Jupyter server (hours
+# on 2 shared cores), on a private daemon. Results in $(BENCH_OUT)/results.{json,md,png};
+# BENCH_ARGS adds options (BENCH_ARGS="--quick --only unet-fp16": python -m benchmarks --help).
+# The models are built once under ~/.cache/overmind-lab-bench/models.
+BENCH_OUT ?= bench-results
+BENCH_ARGS ?=
+bench: install
+	nice $(PY) -m benchmarks --out $(BENCH_OUT) $(BENCH_ARGS)
+
 # The README's benchmark chart, docs/images/bench.svg, from a benchmark run of the cases in
 # BENCH_ONLY (default: the warm-kernel case and the SD 1.5 fp16 UNet and pipeline loads, about
-# 30 minutes on 2 shared cores; BENCH_ONLY=all runs every case, hours). The models are built
-# once under ~/.cache/overmind-lab-bench/models.
+# 30 minutes on 2 shared cores; BENCH_ONLY=all runs every case, hours).
 BENCH_ONLY ?= warm-kernel,unet-fp16,pipeline-fp16
-BENCH_OUT ?= bench-results
 images-bench: install
-	nice $(PY) -m overmind_lab bench --out $(BENCH_OUT) \
+	nice $(PY) -m benchmarks --out $(BENCH_OUT) \
 		$(if $(filter all,$(BENCH_ONLY)),,--only $(BENCH_ONLY))
-	$(PY) -m overmind_lab.bench._chart $(BENCH_OUT)/results.json docs/images/bench.svg \
+	$(PY) -m benchmarks._chart $(BENCH_OUT)/results.json docs/images/bench.svg \
 		$(if $(filter all,$(BENCH_ONLY)),,--note "Only these cases were run: make images-bench \
 		BENCH_ONLY=all runs every case.")
 
@@ -99,8 +108,8 @@ dist: install
 	@ls -l dist
 
 lint: install
-	$(VENV)/bin/ruff check overmind_lab tests examples
-	$(VENV)/bin/mypy overmind_lab
+	$(VENV)/bin/ruff check overmind_lab tests examples benchmarks
+	$(VENV)/bin/mypy overmind_lab benchmarks
 
 # The differential fuzzer (tests/test_fuzz.py; 2 minutes in `make test`) for FUZZ_SECONDS of
 # generated examples, at most FUZZ_EXAMPLES, with the same fixed seed; it prints how many ran.

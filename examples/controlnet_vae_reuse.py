@@ -26,13 +26,17 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 
-if importlib.util.find_spec("overmind_lab") is None:  # a checkout, not installed: use it
+# overmind_lab from the checkout where it is not installed; the model builders always from
+# the checkout (benchmarks/, which the wheel does not ship)
+if importlib.util.find_spec("overmind_lab") is None:
     sys.path.insert(0, str(HERE.parent))
+else:
+    sys.path.append(str(HERE.parent))
 
 
 def build(models: Path, *, tiny: bool, dtype: str) -> dict[str, Path]:
     """The pipeline and two ControlNets on disk (built once, reused afterwards)."""
-    from overmind_lab.bench import models as _models
+    from benchmarks import models as _models
 
     return {
         "sd15": _models.build_sd15_pipeline(models / "sd15", dtype=dtype, tiny=tiny),

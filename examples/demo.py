@@ -30,8 +30,12 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 
-if importlib.util.find_spec("overmind_lab") is None:  # a checkout, not installed: use it
+# overmind_lab from the checkout where it is not installed; the model builders always from
+# the checkout (benchmarks/, which the wheel does not ship)
+if importlib.util.find_spec("overmind_lab") is None:
     sys.path.insert(0, str(HERE.parent))
+else:
+    sys.path.append(str(HERE.parent))
 REPO = HERE.parent
 
 
@@ -129,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         child(args.child, args.load_dtype)
         return 0
 
+    from benchmarks import models as _models
     from overmind_lab import Client
     from overmind_lab._common.display import (
         format_bytes,
@@ -136,7 +141,6 @@ def main(argv: list[str] | None = None) -> int:
         format_speedup,
         text_table,
     )
-    from overmind_lab.bench import models as _models
 
     name = f"sd15{'-tiny' if args.tiny else ''}-{args.dtype}"
     print(f"[1/3] building the pipeline (once): {args.models / name}", flush=True)

@@ -1,4 +1,4 @@
-"""``overmind-lab``: the command line for the daemon, the cache and the benchmark.
+"""``overmind-lab``: the command line for the daemon and the cache.
 
 ::
 
@@ -8,15 +8,17 @@
     overmind-lab evict KEY | --all                   drop entries (held copies keep working)
     overmind-lab refresh KEY                         reload an entry from its source
     overmind-lab stop                                stop the daemon
-    overmind-lab bench [...]                         cold vs warm benchmark
+    overmind-lab bench PATH [--class NAME] [--dtype D] [--repeat N]
+                                                     load times of a model folder: plain,
+                                                     cold, warm, after a daemon restart
     overmind-lab kernel install|status|uninstall|restart-zygote [--json]
                                                      the warm kernel (forked from a zygote)
 
-Every command takes ``--socket PATH`` (default ``$OVERMIND_LAB_SOCKET`` or the per-user
-socket). Exit status: 0 success, 1 failure (also: an optional dependency is missing; the
-message names the extra to install), 2 usage error, 3 daemon not running, 141 the reader
-of the output went away (``overmind-lab status | head -3``), as for a command that
-SIGPIPE ended.
+Every command but ``bench`` (which runs a private daemon) takes ``--socket PATH`` (default
+``$OVERMIND_LAB_SOCKET`` or the per-user socket). Exit status: 0 success, 1 failure (also:
+an optional dependency is missing; the message names the extra to install), 2 usage error,
+3 daemon not running, 141 the reader of the output went away
+(``overmind-lab status | head -3``), as for a command that SIGPIPE ended.
 """
 
 from __future__ import annotations
@@ -166,10 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     refresh = add("refresh", cmd_refresh, "reload an entry from its source")
     refresh.add_argument("key", help="entry key or unique key prefix")
     add("stop", cmd_stop, "stop the daemon", json_flag=False)
-    from overmind_lab import bench
+    from overmind_lab import measure
     from overmind_lab._jupyter_server import kernelspec as spec
 
-    bench.add_parser(sub)
+    measure.add_parser(sub)
     spec.add_parser(sub)
     return parser
 
@@ -183,10 +185,6 @@ def _version() -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "bench":
-            from overmind_lab._extras import require
-
-            require("bench", "overmind-lab bench")
         code = int(args.func(args) or 0)
         sys.stdout.flush()  # here, where a closed pipe can still be handled
         return code

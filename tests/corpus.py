@@ -55,7 +55,7 @@ def _build(root: Path) -> None:
         LlamaModel,
     )
 
-    from overmind_lab.bench.models import build_tokenizer
+    from benchmarks.models import build_tokenizer
 
     torch.manual_seed(0)
     unet = UNet2DConditionModel(

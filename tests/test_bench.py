@@ -1,4 +1,5 @@
-"""``overmind-lab bench``: option parsing, and a quick end-to-end run on tiny models.
+"""The benchmark suite (``python -m benchmarks``, not shipped): option parsing, and a quick
+end-to-end run on tiny models.
 
 The end-to-end run is the real thing at small scale: real child processes timing real
 ``from_pretrained`` calls against a private daemon it starts and stops, a PSS measurement,
@@ -18,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from overmind_lab import bench
-from overmind_lab.bench import _cases, _report
+import benchmarks
+from benchmarks import _cases, _report
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,16 +30,14 @@ REPO = Path(__file__).resolve().parents[1]
 E2E_CASES = "unet-fp16,single-file,pipeline-fp32-as-fp16,pss,kernel-restart"
 
 
-def test_add_parser_registers_bench() -> None:
-    parser = argparse.ArgumentParser(prog="overmind-lab")
-    sub = parser.add_subparsers(dest="command")
-    bench.add_parser(sub)
-    args = parser.parse_args(["bench", "--quick", "--only", "unet-fp16,pss", "--only", "vae"])
-    assert args.func is bench.run
+def test_the_suites_options() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks")
+    benchmarks.add_arguments(parser)
+    args = parser.parse_args(["--quick", "--only", "unet-fp16,pss", "--only", "vae"])
     assert args.quick and args.repeat is None and args.socket is None
-    assert args.models_dir == bench.DEFAULT_MODELS_DIR and args.out == bench.DEFAULT_OUT
+    assert args.models_dir == benchmarks.DEFAULT_MODELS_DIR and args.out == benchmarks.DEFAULT_OUT
     assert _cases.select(args.only) == ["unet-fp16", "vae", "pss"]
-    args = parser.parse_args(["bench", "--repeat", "3", "--socket", "/tmp/x.sock"])
+    args = parser.parse_args(["--repeat", "3", "--socket", "/tmp/x.sock"])
     assert args.repeat == 3 and args.socket == "/tmp/x.sock" and not args.quick
 
 
@@ -52,7 +51,7 @@ def test_select_cases() -> None:
 
 def test_cli_rejects_unknown_case(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "overmind_lab", "bench", "--only", "nope", "--out", str(tmp_path / "o"),
+        [sys.executable, "-m", "benchmarks", "--only", "nope", "--out", str(tmp_path / "o"),
          "--models-dir", str(tmp_path / "m")],
         capture_output=True, text=True, timeout=120, cwd=REPO, check=False)
     assert proc.returncode == 2
@@ -93,7 +92,7 @@ def test_quick_bench_end_to_end(tmp_path: Path) -> None:
     env = dict(os.environ, OVERMIND_LAB_SOCKET=str(user_socket))
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "overmind_lab", "bench", "--quick", "--out", str(out),
+        [sys.executable, "-m", "benchmarks", "--quick", "--out", str(out),
          "--models-dir", str(models), "--only", E2E_CASES],
         capture_output=True, text=True, timeout=1100, cwd=REPO, check=False, env=env)
     elapsed = time.monotonic() - start
@@ -199,7 +198,7 @@ def test_a_terminated_bench_stops_its_processes_and_writes_what_it_has(tmp_path:
     env = dict(os.environ, OVERMIND_LAB_SOCKET=str(tmp_path / "user-run" / "daemon.sock"))
     log = (tmp_path / "bench.log").open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "overmind_lab", "bench", "--quick", "--out", str(out),
+        [sys.executable, "-m", "benchmarks", "--quick", "--out", str(out),
          "--models-dir", str(tmp_path / "models"), "--only", "text-encoder"],
         stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
     seen: set[int] = set()
@@ -208,7 +207,7 @@ def test_a_terminated_bench_stops_its_processes_and_writes_what_it_has(tmp_path:
         while time.monotonic() < deadline and proc.poll() is None:
             seen |= _descendants(proc.pid)
             cmdlines = [Path(f"/proc/{p}/cmdline").read_bytes() for p in seen if _alive(p)]
-            if any(b"overmind_lab.bench._child" in c for c in cmdlines) and \
+            if any(b"benchmarks._child" in c for c in cmdlines) and \
                     any(b"serve" in c for c in cmdlines):
                 break
             time.sleep(0.2)
@@ -249,7 +248,7 @@ def test_quick_warm_kernel_case_through_a_jupyter_server(tmp_path: Path) -> None
                OVERMIND_LAB_PRELOAD="torch,numpy,threadpoolctl,IPython,ipykernel,"
                                     "ipykernel.kernelapp,ipykernel.ipkernel,overmind_lab")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "overmind_lab", "bench", "--quick", "--repeat", "1",
+        [sys.executable, "-m", "benchmarks", "--quick", "--repeat", "1",
          "--out", str(out), "--models-dir", str(tmp_path / "models"), "--only", "warm-kernel"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
     seen: set[int] = set()
@@ -299,7 +298,7 @@ def test_quick_warm_kernel_case_through_a_jupyter_server(tmp_path: Path) -> None
 
 
 def test_the_chart_is_an_svg_of_the_results() -> None:
-    from overmind_lab.bench import _chart
+    from benchmarks import _chart
 
     case = {"title": "UNet fp16 -> fp16", "stats": {
         "plain": {"load": {"median": 2.0}}, "first": {"load": {"median": 4.0}},

@@ -4,7 +4,7 @@ Exactness is asserted token for token: greedy speculative decoding and self-spec
 decoding equal greedy decoding of the target on 50 held-out prompts for K in {1, 2, 4, 8}.
 Speculative sampling is checked against the target's exact distribution with a
 chi-square test, and the same test must reject a broken acceptance rule. Speed is not
-asserted here: ``overmind-lab bench --only decoding`` measures it.
+asserted here: ``python -m benchmarks --only decoding`` measures it.
 
 The models are built (trained, about 10 minutes on 2 cores) once into ``.models/`` at the
 repository root, or ``$OVERMIND_LAB_DECODING_MODELS``; later runs reuse them.

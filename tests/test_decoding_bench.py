@@ -1,4 +1,4 @@
-"""``overmind-lab bench --quick --only decoding`` end to end, on the trained pair of the
+"""``python -m benchmarks --quick --only decoding`` end to end, on the trained pair of the
 decoding example (built once, shared with tests/test_decoding.py). Few prompts: the
 structure and the exactness verdict are asserted, not the speedup."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from overmind_lab.bench import _report
+from benchmarks import _report
 from tests.test_decoding import MODELS, REPO, decoding
 
 pytestmark = pytest.mark.timeout(2400)  # builds the models when they are missing
@@ -21,7 +21,7 @@ def test_bench_quick_decoding(tmp_path: Path) -> None:
     decoding.build(MODELS)
     out = tmp_path / "results"
     proc = subprocess.run(
-        [sys.executable, "-m", "overmind_lab", "bench", "--quick", "--only", "decoding",
+        [sys.executable, "-m", "benchmarks", "--quick", "--only", "decoding",
          "--models-dir", str(MODELS), "--out", str(out)],
         capture_output=True, text=True, timeout=1800, cwd=REPO, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr

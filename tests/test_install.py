@@ -9,7 +9,9 @@ The wheel then goes into brand-new venvs:
   that downloads nothing]): the Jupyter commands, the kernelspec, a cold and a warm load
   in two processes on a private daemon, and ``pip uninstall``;
 - a bare one (``pip install overmind-lab`` without extras: dill and psutil only): every
-  feature that needs an extra says which, and no daemon is started.
+  feature that needs an extra says which, and no daemon is started;
+- one that runs ``overmind-lab bench PATH`` on a tiny model folder (the benchmark suite,
+  ``benchmarks/``, is not in the wheel).
 
 Nothing is downloaded: builds run without isolation from the packages installed here.
 """
@@ -116,7 +118,8 @@ def test_the_sdist_carries_the_prebuilt_extension(dist: dict[str, Path]) -> None
             "native/portable.cpp", "CMakeLists.txt"} <= names
     assert any(re.fullmatch(r"overmind_lab/labextension/static/remoteEntry\.\w+\.js", n)
                for n in names)
-    assert not any(n.startswith(("node_modules/", ".venv/", "build/")) for n in names)
+    assert not any(n.startswith(("node_modules/", ".venv/", "build/", "benchmarks/",
+                                 "overmind_lab/bench/")) for n in names)
     assert meta["License-Expression"] == "BSD-3-Clause"
 
 
@@ -148,6 +151,8 @@ def test_the_wheel_is_manylinux_with_license_and_install_json(dist: dict[str, Pa
         meta.get_all("Provides-Extra") or [])
     # the native module needs nothing newer than the tag says (auditwheel checked it too)
     assert not any("labextension/" in n and n.startswith("overmind_lab/") for n in names)
+    # the benchmark suite and its model builders stay in the checkout
+    assert not any(n.startswith(("benchmarks/", "overmind_lab/bench/")) for n in names)
 
 
 # Note [A venv that downloads nothing]: the new venv is made by this interpreter (so the
@@ -212,6 +217,16 @@ def _env(tmp: Path, venv: Path) -> dict[str, str]:
     return env
 
 
+def _installed(dist: dict[str, Path], tmp: Path, name: str = "venv",
+               keep: set[str] | None = None) -> tuple[Path, dict[str, str]]:
+    """A new venv (``_venv``) with the wheel installed in it, and the environment to use."""
+    venv = _venv(tmp / name, keep)
+    env = _env(tmp, venv)
+    run([venv / "bin" / "python", "-m", "pip", "install", "--no-deps", "--no-index",
+         dist["wheel"]], env=env, cwd=tmp)
+    return venv, env
+
+
 LOAD = """
 import json, sys
 import overmind_lab
@@ -233,10 +248,8 @@ def make(n):
 
 def test_a_new_venv_gets_everything_from_the_wheel(dist: dict[str, Path],
                                                     tmp_path: Path) -> None:
-    venv = _venv(tmp_path / "venv")
+    venv, env = _installed(dist, tmp_path)
     vpy = venv / "bin" / "python"
-    env = _env(tmp_path, venv)
-    run([vpy, "-m", "pip", "install", "--no-deps", "--no-index", dist["wheel"]], env=env, cwd=tmp_path)
     for name in ("jupyter", "jupyter-labextension", "jupyter-server"):
         _script(venv, name)
     sock = tmp_path / "run" / "d.sock"
@@ -284,12 +297,33 @@ def test_a_new_venv_gets_everything_from_the_wheel(dist: dict[str, Path],
         Client(sock).stop()
 
 
+def test_bench_measures_a_model_folder_from_the_wheel(dist: dict[str, Path],
+                                                     tmp_path: Path) -> None:
+    from diffusers import UNet2DModel
+
+    from tests.test_measure import check_output, no_daemon_on
+
+    venv, env = _installed(dist, tmp_path)
+    vpy = venv / "bin" / "python"
+    UNet2DModel(sample_size=8, in_channels=3, out_channels=3, layers_per_block=1,
+                block_out_channels=(8, 16), norm_num_groups=4,
+                down_block_types=("DownBlock2D", "DownBlock2D"),
+                up_block_types=("UpBlock2D", "UpBlock2D")).save_pretrained(tmp_path / "unet")
+    # the suite (benchmarks/) stays in the checkout: the wheel's command works without it
+    found = run([vpy, "-c", "import importlib.util as u; print(u.find_spec('benchmarks'))"],
+                env=env, cwd=tmp_path)
+    assert found.stdout.strip() == "None"
+    bench = run([venv / "bin" / "overmind-lab", "bench", tmp_path / "unet", "--repeat", "1"],
+                env=env, cwd=tmp_path, timeout=600)
+    assert "UNet2DModel (diffusers)" in bench.stdout
+    no_daemon_on(check_output(bench.stdout))
+    assert not (tmp_path / "run" / "d.sock").exists()  # the venv's own daemon: never started
+
+
 def test_a_bare_install_names_the_extra_and_starts_no_daemon(dist: dict[str, Path],
                                                              tmp_path: Path) -> None:
-    venv = _venv(tmp_path / "bare", keep={"dill", "psutil"})
+    venv, env = _installed(dist, tmp_path, "bare", keep={"dill", "psutil"})
     vpy = venv / "bin" / "python"
-    env = _env(tmp_path, venv)
-    run([vpy, "-m", "pip", "install", "--no-deps", "--no-index", dist["wheel"]], env=env, cwd=tmp_path)
     sock = tmp_path / "run" / "d.sock"
     try:
         assert run([vpy, "-c", "import torch"], env=env, check=False, cwd=tmp_path).returncode == 1
@@ -299,9 +333,11 @@ def test_a_bare_install_names_the_extra_and_starts_no_daemon(dist: dict[str, Pat
         assert install.stderr.strip() == (
             "overmind-lab: the warm kernel needs jupyter_client and ipykernel, which are not "
             'installed here: pip install "overmind-lab[jupyter]"'), install.stderr
-        bench = run([cli, "bench", "--only", "unet-fp16"], env=env, check=False, cwd=tmp_path)
+        (tmp_path / "unet").mkdir()
+        (tmp_path / "unet" / "config.json").write_text('{"_class_name": "UNet2DModel"}')
+        bench = run([cli, "bench", tmp_path / "unet"], env=env, check=False, cwd=tmp_path)
         assert bench.returncode == 1 and "Traceback" not in bench.stderr
-        assert 'pip install "overmind-lab[bench]"' in bench.stderr
+        assert 'pip install "overmind-lab[diffusers]"' in bench.stderr
         load = run([vpy, "-c", "import overmind_lab\n"
                     "try:\n    overmind_lab.load(len, [1, 2])\n"
                     "except overmind_lab.MissingDependency as exc:\n    print(exc)\n"],

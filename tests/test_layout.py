@@ -31,7 +31,6 @@ FOLDERS = {
     "_launcher": "the kernelspec launcher, where a frontend runs the argv itself",
     "_zygote": "the zygote that forks warm kernels",
     "_forked": "a forked child of the zygote, becoming a kernel",
-    "bench": "the benchmark",
 }
 
 #: The folders each folder may import besides itself and the top-level modules.
@@ -43,7 +42,6 @@ MAY_IMPORT: dict[str, set[str]] = {
     "_zygote": {"_common", "_forked"},
     "_launcher": {"_common"},
     "_jupyter_server": {"_common", "_loading"},  # the REST handlers are daemon clients
-    "bench": {"_common", "_loading", "_jupyter_server"},
 }
 
 #: Folders that import nothing outside the standard library and this package.

@@ -314,7 +314,7 @@ def test_tensors_of_a_cached_object_are_referenced_not_copied(daemon: Client) ->
 def test_tokenizer_round_trip_is_exact(daemon: Client, tmp_path: Path) -> None:
     from transformers import CLIPTokenizer
 
-    from overmind_lab.bench.models import build_tokenizer
+    from benchmarks.models import build_tokenizer
 
     build_tokenizer(tmp_path / "tok")
     plain = CLIPTokenizer.from_pretrained(tmp_path / "tok")

@@ -1,4 +1,4 @@
-"""The random-weight SD 1.5 builders (``overmind_lab.bench.models``), tiny variants.
+"""The random-weight SD 1.5 builders (``benchmarks.models``), tiny variants.
 
 Every directory is loaded back through the real ``from_pretrained`` of diffusers /
 transformers; the completion marker makes a second build a no-op (files untouched)
@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
-from overmind_lab.bench import models as _models
+from benchmarks import models as _models
 
 
 def _mtimes(path: Path) -> dict[str, int]:

@@ -12,8 +12,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
-from overmind_lab.bench import _more_models, _single_file
-from overmind_lab.bench import models as _models
+from benchmarks import _more_models, _single_file
+from benchmarks import models as _models
 
 
 @pytest.fixture(scope="module")

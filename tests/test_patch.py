@@ -14,9 +14,9 @@ import pytest
 from diffusers import UNet2DConditionModel
 
 import overmind_lab
+from benchmarks import models as _models
 from overmind_lab import Client, OvermindWarning
 from overmind_lab._loading.patch import _ROOTS, patched_names
-from overmind_lab.bench import models as _models
 from tests.conftest import last_json, run_py
 
 REPO = str(Path(overmind_lab.__file__).resolve().parents[1])

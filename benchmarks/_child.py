@@ -1,4 +1,4 @@
-"""The benchmark's measuring process: ``python -m overmind_lab.bench._child JOB_JSON``.
+"""The benchmark's measuring process: ``python -m benchmarks._child JOB_JSON``.
 
 One fresh process per measurement. It speaks JSON lines with the parent on a private
 copy of its original stdout (library output is sent to stderr, which the parent keeps in
@@ -131,7 +131,7 @@ def _sum_all(tensors: list[Any]) -> float:
 
 
 def _pss_self() -> dict[str, int]:
-    from overmind_lab.bench._memory import read_smaps_rollup
+    from benchmarks._memory import read_smaps_rollup
 
     return read_smaps_rollup(os.getpid())
 
@@ -221,7 +221,7 @@ def _main(job: dict[str, Any]) -> None:
             if store.error is not None:
                 result["store_error"] = store.error
     if job.get("check"):
-        from overmind_lab.bench._compare import compare
+        from benchmarks._compare import compare
 
         plain = method(job["path"], **kwargs)
         result["check"] = compare(obj, plain)

@@ -19,18 +19,18 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from overmind_lab._common.sizes import meminfo
-from overmind_lab.bench import _cases, _report
-from overmind_lab.bench._cases import CASES, KERNEL_CASE, PSS_CASE, Case
-from overmind_lab.bench._memory import drop_page_cache, read_smaps_rollup, warm_page_cache
-from overmind_lab.bench._runner import (
+from benchmarks import _cases, _report
+from benchmarks._cases import CASES, KERNEL_CASE, PSS_CASE, Case
+from benchmarks._memory import drop_page_cache, read_smaps_rollup, warm_page_cache
+from benchmarks._runner import (
     Child,
     ChildError,
     Timeouts,
     child_env,
     run_sequence,
 )
-from overmind_lab.bench._service import PrivateDaemon
+from benchmarks._service import PrivateDaemon
+from overmind_lab._common.sizes import meminfo
 
 __all__ = ["run_bench"]
 
@@ -305,7 +305,7 @@ class Bench:
 
     # -- kernel restart ----------------------------------------------------------------------
     def run_kernel(self) -> dict[str, Any]:
-        from overmind_lab.bench._kernel import run_kernel_restart
+        from benchmarks._kernel import run_kernel_restart
 
         case = next(c for c in CASES if c.name == KERNEL_CASE)
         path = case.path(self.dirs)
@@ -319,7 +319,7 @@ class Bench:
 
     # -- REST route --------------------------------------------------------------------------
     def run_rest_entries(self) -> dict[str, Any]:
-        from overmind_lab.bench._rest import ENTRIES, LIMIT_SECONDS, run_rest_entries
+        from benchmarks._rest import ENTRIES, LIMIT_SECONDS, run_rest_entries
 
         self.progress(f"rest-entries: GET overmind-lab/api/v1/entries with {ENTRIES} entries "
                       "through a real jupyter server")
@@ -336,7 +336,7 @@ class Bench:
 
     # -- warm kernels ------------------------------------------------------------------------
     def run_warm_kernel(self) -> dict[str, Any]:
-        from overmind_lab.bench._warm_kernel import run_warm_kernel
+        from benchmarks._warm_kernel import run_warm_kernel
 
         path = self.dirs[_cases.WARM_KERNEL_MODEL]
         self.progress(f"warm-kernel: plain vs warm kernels through a real jupyter server ({path})")
@@ -364,7 +364,7 @@ class Bench:
 
     # -- decoding ----------------------------------------------------------------------------
     def run_decoding(self) -> dict[str, Any]:
-        from overmind_lab.bench._decoding import run_decoding
+        from benchmarks._decoding import run_decoding
 
         self.progress("decoding: speculative decoding and early exit (examples/decoding)")
         out = run_decoding(self.models_dir, self.quick, self.env, self.progress,
@@ -383,7 +383,7 @@ class Bench:
         try:
             names = _cases.select(self.args.only)
         except ValueError as exc:
-            print(f"overmind-lab bench: {exc}", file=sys.stderr)
+            print(f"python -m benchmarks: {exc}", file=sys.stderr)
             return 2
         self.out.mkdir(parents=True, exist_ok=True)
         if self.logs.exists():
@@ -404,7 +404,7 @@ class Bench:
             "transformers": _version("transformers"), "overmind_lab": __version__,
             "argv": sys.argv, "loadavg_start": _loadavg(),
         }
-        self.progress(f"overmind-lab bench{' --quick' if self.quick else ''}: {len(names)} cases, "
+        self.progress(f"benchmarks{' --quick' if self.quick else ''}: {len(names)} cases, "
                       f"{self.repeat} runs per mode; results in {self.out}")
         needed = _cases.needed_models(names)
         if needed:  # rest-entries alone needs no model

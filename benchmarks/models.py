@@ -357,7 +357,7 @@ def is_built(path: PathLike) -> bool:
 def _write_marker(path: Path, spec: dict[str, Any], config_hash: str, seconds: float) -> dict[str, Any]:
     files = _list_files(path)
     marker = {
-        "builder": "overmind_lab.bench.models",
+        "builder": "benchmarks.models",
         "format": _FORMAT_VERSION,
         "config_hash": config_hash,
         **spec,

@@ -5,7 +5,7 @@ was run, the median load call plain, cold (the first load through the cache, whi
 stores) and warm, on a log scale; on the right, the ``warm-kernel`` case: restart to the
 first ``kernel_info_reply`` and the load cells right after a restart, plain vs warm
 kernel. The caption names the run (date, machine, cases) and the summed PSS of the idle
-kernels. Run: ``python -m overmind_lab.bench._chart RESULTS_JSON OUT_SVG [--note TEXT]``
+kernels. Run: ``python -m benchmarks._chart RESULTS_JSON OUT_SVG [--note TEXT]``
 (``make images-bench`` runs the benchmark and this).
 """
 
@@ -176,7 +176,7 @@ def render(results: dict[str, Any], note: str | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m overmind_lab.bench._chart",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks._chart",
                                      description="Write the benchmark chart (SVG) of a results.json.")
     parser.add_argument("results", type=Path)
     parser.add_argument("out", type=Path)

@@ -1,7 +1,7 @@
 """The ``decoding`` case: speculative decoding and early exit on the trained pair of the
 decoding example (``examples/decoding/decoding.py``), tokens per second per method.
 
-One child process (``python -m overmind_lab.bench._decoding SPEC``) does everything, with
+One child process (``python -m benchmarks._decoding SPEC``) does everything, with
 one torch thread (single-token steps gain nothing from a second one, and lose a lot when
 another process holds the other core):
 
@@ -55,10 +55,8 @@ QUICK = {"prompts": 3, "new_tokens": 32, "ks": [1, 2, 4], "self_ks": [2], "exit_
 
 
 def examples_dir() -> Path:
-    """``examples/decoding`` of the checkout this package runs from."""
-    import overmind_lab
-
-    return Path(overmind_lab.__file__).resolve().parents[1] / "examples" / "decoding"
+    """``examples/decoding`` of the checkout the suite runs from."""
+    return Path(__file__).resolve().parents[1] / "examples" / "decoding"
 
 
 def run_decoding(models_dir: Path, quick: bool, env: dict[str, str],
@@ -66,11 +64,11 @@ def run_decoding(models_dir: Path, quick: bool, env: dict[str, str],
     """Run the measuring child; returns its result (or ``{"error": ...}``)."""
     if not (examples_dir() / "decoding.py").exists():
         return {"error": f"{examples_dir() / 'decoding.py'} not found: the decoding case runs "
-                         "from a source checkout (pip install -e .)"}
+                         "from a source checkout"}
     spec = {"models_dir": str(models_dir), "quick": quick, **(QUICK if quick else FULL)}
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "overmind_lab.bench._decoding", json.dumps(spec)],
+        proc = subprocess.Popen([sys.executable, "-m", "benchmarks._decoding", json.dumps(spec)],
                                 stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
                                 env=env, text=True)
         result: dict[str, Any] = {}

@@ -1,6 +1,6 @@
-"""Fresh measuring processes (:mod:`overmind_lab.bench._child`), driven with timeouts.
+"""Fresh measuring processes (:mod:`benchmarks._child`), driven with timeouts.
 
-Every measurement runs in a new ``python -m overmind_lab.bench._child`` process. Imports
+Every measurement runs in a new ``python -m benchmarks._child`` process. Imports
 take several seconds and are not what is measured (they are reported separately), so
 :func:`run_sequence` lets a small batch of processes import at the same time and then
 tells them, one at a time, to run their timed load: a timed load never overlaps with
@@ -78,7 +78,7 @@ class Child:
         log = open(self.log_path, "ab")
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "overmind_lab.bench._child", json.dumps(self.job)],
+                [sys.executable, "-m", "benchmarks._child", json.dumps(self.job)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                 env=self.env, close_fds=True, start_new_session=True,
             )

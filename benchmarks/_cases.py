@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from overmind_lab.bench._more_models import SINGLE_FILE_NAME
+from benchmarks._more_models import SINGLE_FILE_NAME
 
 __all__ = ["ALL_NAMES", "CASES", "EXTRA_CASES", "Case", "build_models", "model_dirs", "select"]
 
@@ -152,8 +152,8 @@ def needed_models(names: list[str]) -> list[str]:
 _BUILD_SCRIPT = """
 import json, sys, time
 import torch
-from overmind_lab.bench import models as _models
-from overmind_lab.bench import _more_models
+from benchmarks import models as _models
+from benchmarks import _more_models
 from pathlib import Path
 spec = json.loads(sys.argv[1])
 dirs = {k: Path(path) for k, (path, _dtype) in spec["models"].items()}

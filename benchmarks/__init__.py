@@ -1,11 +1,15 @@
-"""``overmind-lab bench``: plain vs first vs warm loads of real-architecture SD 1.5 models.
+"""The benchmark suite: plain vs first vs warm loads of real-architecture SD 1.5 models.
 
-::
+Not shipped: it lives in the checkout (``benchmarks/``, outside the wheel) and runs from
+the repository root::
 
-    overmind-lab bench                       # full run (about 15-20 min on 2 cores)
-    overmind-lab bench --quick               # tiny models, 2 runs per mode (tests)
-    overmind-lab bench --only unet-fp16,pss  # some cases
-    python -m overmind_lab.bench ...         # the same without the CLI
+    make bench                                # the full suite (hours on 2 cores)
+    python -m benchmarks                      # the same
+    python -m benchmarks --quick              # tiny models, 2 runs per mode (tests)
+    python -m benchmarks --only unet-fp16,pss # some cases
+
+(An installed package measures the user's own model instead: ``overmind-lab bench PATH``,
+``overmind_lab/measure.py``.)
 
 It builds (once, kept under ``--models-dir``) random-weight models with the real Stable
 Diffusion 1.5 architectures, then measures in fresh processes, with the page cache warm,
@@ -25,23 +29,28 @@ Writes ``results.json``, ``results.md`` and ``results.png`` under ``--out``.
 By default a private daemon on a temporary socket is used (and stopped at the end), so
 the user's cache is never disturbed; ``--socket`` uses an existing daemon instead.
 
-Importing this package is cheap (no torch): the CLI imports it to register ``bench``.
+Importing this package is cheap (no torch). Its measuring processes run
+``python -m benchmarks.<module>``: :func:`run` puts the checkout on their
+``PYTHONPATH`` so that they find it from any working directory.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import os
+from pathlib import Path
 
-__all__ = ["DEFAULT_MODELS_DIR", "DEFAULT_OUT", "add_arguments", "add_parser", "run"]
+__all__ = ["DEFAULT_MODELS_DIR", "DEFAULT_OUT", "ROOT", "add_arguments", "main", "run"]
 
 DEFAULT_MODELS_DIR = "~/.cache/overmind-lab-bench/models"
 DEFAULT_OUT = "./bench-results"
+#: The checkout this suite runs from (``examples/`` lies there too).
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``bench`` options, on any parser."""
-    from overmind_lab.bench._cases import ALL_NAMES
+    """The suite's options, on any parser."""
+    from benchmarks._cases import ALL_NAMES
 
     parser.add_argument("--models-dir", default=DEFAULT_MODELS_DIR,
                         help="where the random-weight SD 1.5 models are built once and kept "
@@ -70,11 +79,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds allowed for one process's load (default: 900, 180 with --quick)")
 
 
-def add_parser(subparsers: Any) -> None:
-    """Register the ``bench`` subcommand on an ``argparse`` subparsers object."""
-    help_text = "benchmark plain vs cached loads of SD 1.5 models"
-    parser = subparsers.add_parser(
-        "bench", help=help_text,
+def run(args: argparse.Namespace) -> int:
+    """Run the suite for parsed arguments; returns the exit status."""
+    from benchmarks._suite import run_bench
+    from overmind_lab._extras import require
+
+    require("bench", "python -m benchmarks")
+    path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = f"{ROOT}{os.pathsep}{path}" if path else str(ROOT)
+    return run_bench(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks [options]``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
         description=("Benchmark plain from_pretrained vs the first and the warm load through "
                      "the cache, each in fresh processes, on random-weight models with the real "
                      "Stable Diffusion 1.5 architectures (built once under --models-dir); also "
@@ -82,14 +101,6 @@ def add_parser(subparsers: Any) -> None:
                      "Jupyter kernel-restart loop and warm vs plain kernels through a real "
                      "Jupyter server. Writes results.json, results.md and "
                      "results.png under --out. Uses a private temporary daemon unless --socket "
-                     "is given."),
-    )
+                     "is given."))
     add_arguments(parser)
-    parser.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run the benchmark for parsed ``bench`` arguments; returns the exit status."""
-    from overmind_lab.bench._suite import run_bench
-
-    return run_bench(args)
+    return run(parser.parse_args(argv))

@@ -3,7 +3,7 @@
 Users download SD 1.5 as one ``.safetensors`` file in the original (LDM) layout and load
 it with ``StableDiffusionPipeline.from_single_file``. Nothing may be downloaded here, so
 the benchmark writes that file itself from the random-weight pipeline directory that
-:func:`overmind_lab.bench.models.build_sd15_pipeline` built: the UNet, VAE and CLIP text
+:func:`benchmarks.models.build_sd15_pipeline` built: the UNet, VAE and CLIP text
 encoder tensors under their LDM names, the inverse of diffusers' own conversion
 (``diffusers.loaders.single_file_utils.convert_ldm_*_checkpoint``). The tensors are the
 same bytes, so a plain ``from_single_file(file, config=pipeline_dir)`` gives the

@@ -1,6 +1,6 @@
 """The ``warm-kernel`` case: kernel restarts through a real Jupyter server, plain vs warm.
 
-A ``jupyter server`` (:mod:`overmind_lab.bench._server`) is started with private runtime,
+A ``jupyter server`` (:mod:`benchmarks._server`) is started with private runtime,
 config and data directories and two kernelspecs on its ``JUPYTER_PATH``, ``bench-plain``
 and ``bench-warm`` (same interpreter and argv; the warm one selects the
 ``overmind-lab-warm`` provisioner), a private daemon and, beside its socket, a private
@@ -33,9 +33,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from overmind_lab.bench._memory import read_smaps_rollup
-from overmind_lab.bench._server import JupyterServer, WsKernel
-from overmind_lab.bench._service import PrivateDaemon
+from benchmarks._memory import read_smaps_rollup
+from benchmarks._server import JupyterServer, WsKernel
+from benchmarks._service import PrivateDaemon
 
 __all__ = ["LIMITS", "run_warm_kernel"]
 

@@ -397,21 +397,21 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
     lines += _warm_kernel_markdown(results.get("warm_kernel"))
 
     if results.get("decoding"):
-        from overmind_lab.bench._decoding import markdown
+        from benchmarks._decoding import markdown
 
         lines += markdown(results["decoding"])
 
     if results.get("errors"):
         lines += ["", "## Errors", ""] + [f"- {e}" for e in results["errors"]]
     lines += ["", "## Method", "",
-              "Each measurement is a new `python -m overmind_lab.bench._child` process; model files "
+              "Each measurement is a new `python -m benchmarks._child` process; model files "
               "are read once before each case so the page cache is warm. A process imports torch, "
               "the library and (for cached loads) overmind-lab, then waits; up to "
               f"{meta.get('batch', 2)} processes import at once, but their timed loads run one at a "
               "time with nothing else running, and each exits before the next starts. "
               f"Daemon: {'a private one on a temporary socket' if meta.get('private_daemon') else meta.get('socket')}. "
               "Models: random weights with the real Stable Diffusion 1.5 architectures "
-              "(`overmind_lab.bench.models`).", ""]
+              "(`benchmarks.models`).", ""]
     path.write_text("\n".join(lines), encoding="utf-8")
 
 

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from overmind_lab.bench import models
-from overmind_lab.bench._single_file import write_single_file
+from benchmarks import models
+from benchmarks._single_file import write_single_file
 
 __all__ = ["LLAMA_CONFIG", "SINGLE_FILE_NAME", "build_llama", "build_single_file",
            "build_unet_bin"]

@@ -3,7 +3,7 @@
 The sidebar polls this route, so it must answer quickly with a well-filled cache (target:
 median <= 50 ms with 100 entries). Steps, all against the benchmark's daemon:
 
-1. one child process (``python -m overmind_lab.bench._rest ENTRIES``) stores that many
+1. one child process (``python -m benchmarks._rest ENTRIES``) stores that many
    small entries: ``overmind_lab.load(make_entry, i)`` for each ``i`` (a tiny tensor dict;
    :func:`make_entry` is importable by name, so each ``i`` is its own entry);
 2. a real ``jupyter server`` with the ``overmind_lab._jupyter_server`` extension is started with
@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from overmind_lab.bench._server import JupyterServer
+from benchmarks._server import JupyterServer
 
 __all__ = ["ENTRIES", "LIMIT_SECONDS", "make_entry", "run_rest_entries"]
 
@@ -86,7 +86,7 @@ def run_rest_entries(env: dict[str, str], evict_all: Callable[[], object],
     progress(f"rest-entries: storing {entries} small entries in one process")
     t0 = time.perf_counter()
     with open(log_dir / "rest-entries-populate.log", "ab") as log:
-        proc = subprocess.run([sys.executable, "-m", "overmind_lab.bench._rest", str(entries)],
+        proc = subprocess.run([sys.executable, "-m", "benchmarks._rest", str(entries)],
                               stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
                               timeout=timeout, check=False)
     out["populate_seconds"] = time.perf_counter() - t0
@@ -129,7 +129,7 @@ def run_rest_entries(env: dict[str, str], evict_all: Callable[[], object],
 
 
 if __name__ == "__main__":
-    # import by the real name, so the cache keys name overmind_lab.bench._rest:make_entry
-    from overmind_lab.bench._rest import _populate as populate
+    # import by the real name, so the cache keys name benchmarks._rest:make_entry
+    from benchmarks._rest import _populate as populate
 
     populate(int(sys.argv[1]) if len(sys.argv) > 1 else ENTRIES)
