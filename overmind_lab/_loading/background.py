@@ -1,6 +1,6 @@
 """Storing a large cold result in a forked process, so that the first load returns at once.
 
-Note [Storing in a forked process] ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~ A first load is the plain load
+Note [Storing in a forked process]: A first load is the plain load
 plus its store (pickling ~0.1 s for an SD UNet, writing 1.7 GB 0.5-0.9 s). A large result's caller
 gets the loader's own object, and the store needs only a consistent picture of it. A thread cannot
 give one (the caller may change the model in place right away, leaving a mix in the cache);

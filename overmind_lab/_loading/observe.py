@@ -92,7 +92,7 @@ class Observed:
 class _Recorder(logging.Handler):
     """Appends each record once, as JSON, to ``out``.
 
-    Note [Records seen by two loggers] ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~ Attached to the root
+    Note [Records seen by two loggers]: Attached to the root
     logger and the library roots, it sees a propagated record twice, told apart by identity. An
     ``id()`` is unique only among live objects, and the next record often reuses a freed one's
     address (diffusers' ERROR then WARNING: the second was dropped). ``seen`` keeps every record it
