@@ -1,4 +1,1 @@
-"""What the kernel side and the daemon side share: the wire, names, sizes.
-
-Nothing here imports torch, the daemon or the client.
-"""
+"""Shared by several processes (wires, names, sizes); imports no torch, daemon or client."""

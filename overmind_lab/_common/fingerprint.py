@@ -1,15 +1,10 @@
 """What "equal to a plain load" means: one fingerprint of everything a user can observe.
 
-``fingerprint(obj)`` walks a result as pickle sees it and records, per path, a short text: exact
-classes and aliases (same object), attributes and dict keys in order, sets sorted; modules' fields,
-hook tables with ids, parameters, buffers and submodules at the paths a user writes; every tensor's
-layout, storage sharing, bytes, flags, ``data_ptr() % 64``, grad and its own attributes; tokenizers'
-vocabulary, added tokens, probe ids and JSON; configs' attributes.
-
-It never raises (``<unreadable: ...>``), and nothing in it depends on addresses, ids or the
-string-hash salt (Note [What differs between two plain loads]). ``difference(a, b)`` names the first
-differing path (``unet.conv_in.weight: data_ptr % 64 4 vs 0``). Standard library only: torch and
-numpy are taken from ``sys.modules``.
+``fingerprint(obj)`` walks a result as pickle sees it and records a short text per path
+(classes, aliases, attributes in order, hooks, tensors' layout, sharing, bytes and flags,
+tokenizers). It never raises and depends on no address, id or hash salt (Note [What differs
+between two plain loads]); ``difference(a, b)`` names the first differing path. Standard library
+only (torch and numpy from ``sys.modules``).
 """
 
 from __future__ import annotations
@@ -51,13 +46,8 @@ def fingerprint(obj: Any) -> Fingerprint:
 RESIZABLE = "resizable"
 ALIGNED64 = "data_ptr%64"
 
-# Note [Facts that plain loads vary in]: two facts are shown but count only if asked (``ignore``):
-# - ``resizable``: a hit's tensors view a private mapping (zero-copy is the product), which torch
-#   cannot resize; a plain load's storages are resizable where the loader allocated them and
-#   not where it mapped the file, so users already meet both. The one difference a hit keeps.
-# - ``data_ptr%64``: malloc'd memory (numpy arrays, schedulers' timesteps) is only 16-byte
-#   aligned, so two plain loads differ in it; ``data_ptr%16`` always counts, and the rebuild
-#   keeps it anyway (Note [Addresses modulo 64] in ``_loading/pickling``).
+# Note [Facts that plain loads vary in]: ``resizable`` and ``data_ptr%64`` are shown but count
+# only if asked (``ignore``): plain loads already differ in them. More in docs/notes.md.
 INTENDED = frozenset({RESIZABLE, ALIGNED64})
 
 

@@ -1,23 +1,12 @@
 """What a kernel inherits from the process that starts it, besides env and cwd.
 
-A forked kernel is the zygote's child, not the server's: the provisioner :func:`observe` s its own
-attributes and sends them with the fork request, the zygote refuses what no child could change
-(:func:`refusal`), and the forked child :func:`apply` s the rest first.
-
-Note [Inherited process attributes]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-- applied in the child: umask, nice, scheduling, CPU affinity, ``oom_score_adj``, resource
-  limits but the stack's, group ids and supplementary groups (root only), and each hierarchy's
-  cgroup. Where not allowed (a lower nice, a higher hard limit, another's cgroup), the child
-  exits before any kernel code and tells the zygote, which refuses; the provisioner launches
-  plain, with the reason logged (Note [Never worse than plain] in ``provisioner.py``).
-- refused before the fork, as no process can change them in itself: namespaces, uids,
-  capabilities, ``NoNewPrivs``, ``Seccomp``, the cgroup hierarchies, and ``RLIMIT_STACK``
-  (the main stack is mapped at ``exec``, glibc sizes thread stacks from it at start).
-- nice, affinity and scheduling are per thread: observed in the thread that would fork a
-  plain kernel (the event loop's).
-- time zone and locale ride in the environment: the child calls ``time.tzset()``; the locale
-  variables are in the zygote's identity (they fix UTF-8 mode and the file system encoding).
+Note [Inherited process attributes]: the provisioner :func:`observe` s its own attributes (in
+the event loop's thread: nice, affinity and scheduling are per thread); the zygote refuses
+what no process can change in itself (:func:`refusal`: namespaces, uids, capabilities,
+``NoNewPrivs``, seccomp, cgroup hierarchies, ``RLIMIT_STACK``); the forked child :func:`apply` s
+the rest first (umask, nice, scheduling, affinity, ``oom_score_adj``, limits, groups, cgroups)
+and exits before any kernel code where not allowed, so the launch goes plain. More in
+docs/notes.md.
 """
 
 from __future__ import annotations

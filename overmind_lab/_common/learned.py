@@ -1,12 +1,9 @@
-"""The *learned* modules: third-party modules earlier warm kernels imported, which the next zygote
-of the same identity preloads; a forked kernel records them at exit (Note [Third-party only] in
-``_zygote/preload.py``).
+"""The *learned* modules: third-party modules earlier warm kernels imported, which the next
+zygote of the same identity preloads; a forked kernel records them at exit.
 
-Note [Importable by name]: a module is learned only when a fresh interpreter imports it by name: its
-top-level module lies directly in the standard library (``lib-dynload`` too) or site-packages.
-debugpy's vendored pydevd lies under ``debugpy/_vendored/``, on ``sys.path`` only once debugpy put
-it there: a zygote cannot import it, and would report dozens of unknown names as not preloaded. Such
-modules are neither learned nor read back.
+Note [Importable by name]: learned only when a fresh interpreter imports it by name (its top
+level directly in the standard library or site-packages; not debugpy's vendored pydevd), else
+a zygote would report it as not preloaded. More in docs/notes.md.
 """
 
 from __future__ import annotations

@@ -8,11 +8,8 @@ __all__ = ["match_keys"]
 
 
 def match_keys(query: str, entries: Iterable[tuple[str, str]]) -> list[str]:
-    """The keys of ``(key, display name)`` pairs that ``query`` names, in their order.
-
-    An exact key wins; else every key that starts with ``query``; else every entry whose display
-    name is exactly ``query``. More than one match is ambiguous: the caller decides.
-    """
+    """The keys ``query`` names among ``(key, display name)`` pairs: an exact key, else the keys
+    it prefixes, else the exact names. More than one match: the caller decides."""
     pairs = list(entries)
     if any(key == query for key, _ in pairs):
         return [query]

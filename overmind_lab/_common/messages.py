@@ -1,19 +1,7 @@
-"""The wire messages, typed: the daemon's (a request and a reply per operation), and the zygote's
-(Note [The zygote's wire]). Both sides import these; a frame is a JSON object
-(``_common.protocol``).
-
-Daemon operations (``Op``): ``hello``/``status`` `StatusRequest` -> `StatusReply`; ``lookup``
-`LookupRequest` -> any number of `WaitReply` while another process loads the key, then `HitReply` (+
-segment fds) or `LeaseReply` (you load it); ``reserve`` -> `ReserveReply` (+ one writable fd);
-``link`` -> `LinkReply`; ``store`` -> `StoreReply`; ``abandon`` `KeyRequest` -> `OkReply`;
-``report`` -> none; ``list`` -> `ListReply` (`EntryJson` each); ``evict``/``evict_all`` ->
-`EvictReply`; ``refresh`` -> `RefreshReply`; ``stop`` -> `StopReply`. Any may be refused with
-`ErrorReply` (``ok: false``, an ``ErrorKind`` as ``kind``, a sentence as ``error``).
-
-`JsonObject` marks JSON the daemon never looks into: an entry's ``meta`` (``_loading.load``), the
-``validate`` record (``_daemon.persist``) and a replayable call's arguments. The types describe what
-is sent, not a validation: receivers convert each field they read, and a request lacking a needed
-field ends its connection, logged.
+"""The wire messages, typed: the daemon's (a request and replies per ``Op``; any may be refused
+with `ErrorReply`) and the zygote's (Note [The zygote's wire]); a frame is a JSON object
+(``_common.protocol``). `JsonObject`: JSON the daemon never looks into. The types describe what
+is sent, not a validation: receivers convert each field they read.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Asking a zygote: start one, fork a kernel from it, follow that kernel, query it. Shared by the
-provisioner and the launcher; ``kernel status|restart-zygote`` use :func:`ask`
-(Note [The zygote's wire]). No jupyter_client, torch or zygote code: a launch the zygote cannot
-serve raises :class:`WarmUnavailable` and the caller starts a plain kernel.
-"""
+"""Asking a zygote: start one, fork a kernel from it, follow that kernel, query it (:func:`ask`,
+Note [The zygote's wire]). A launch the zygote cannot serve raises :class:`WarmUnavailable` and
+the caller starts a plain kernel."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Where zygotes live, and what makes one zygote different from another.
-
-A zygote serves kernels of one interpreter and Python environment (:func:`environment`) with the
-same import-relevant variables (:data:`IMPORT_ENV_PREFIXES`); their hash, the *identity*, names its
-socket. The preload set is not part of it: a grown set replaces the zygote in the background
-(Note [Replacing a zygote] in ``_zygote/loop.py``). The sockets sit beside the daemon's: in the 0700
-per-user runtime directory, or that of ``$OVERMIND_LAB_SOCKET``.
+"""Where zygotes live, and what makes one zygote different from another: the *identity*
+(a hash of the interpreter, its environment and :data:`IMPORT_ENV_PREFIXES` variables, not the
+preload set) names its socket in the per-user runtime directory.
 """
 
 from __future__ import annotations
@@ -78,12 +74,9 @@ def import_env(env: Mapping[str, str]) -> dict[str, str]:
 def environment(interpreter: str) -> str:
     """The Python environment ``interpreter`` runs in: its venv's directory, else its prefix.
 
-    Note [Environments share an interpreter]: a venv's ``bin/python`` links to the interpreter it
-    was made from, so venvs resolve to one executable, and a server started without activating its
-    venv has no ``VIRTUAL_ENV``; yet a kernel of one venv must never be forked from another's
-    zygote. A venv is the directory above ``bin/`` holding ``pyvenv.cfg``, found from the path as
-    given (not resolved).
-    """
+    Note [Environments share an interpreter]: venvs resolve to one executable, but a kernel of
+    one must never fork from another's zygote: the venv is found from the path as given (the
+    folder above ``bin/`` with ``pyvenv.cfg``). More in docs/notes.md."""
     path = os.path.abspath(interpreter)
     venv = os.path.dirname(os.path.dirname(path))
     if os.path.isfile(os.path.join(venv, "pyvenv.cfg")):
@@ -141,11 +134,8 @@ class ZygotePaths:
     def wait_while_booting(self, timeout: float) -> bool:
         """Whether the socket exists, after waiting up to ``timeout`` s while a zygote boots.
 
-        Note [Waiting for a booting zygote]: a launch seconds after the first (a restart, the next
-        ``nbconvert``) would find the zygote still importing, start another (which loses the boot
-        lock) and be plain too. It waits instead: the rest of the imports a plain kernel would do
-        anyway. A zygote already serving is used at once.
-        """
+        Note [Waiting for a booting zygote]: waiting costs only the imports a plain kernel would
+        do anyway; not waiting starts a second zygote and a plain kernel. More in docs/notes.md."""
         deadline = time.monotonic() + timeout
         while not self.socket.exists():
             if time.monotonic() >= deadline or not self.booting():

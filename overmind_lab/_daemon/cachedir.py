@@ -1,6 +1,5 @@
-"""The cache directory: created private, checked, refused when another user could read
-or replace what it holds (Note [The cache directory is used through its descriptor] in
-``store``, which uses the descriptor :func:`open_cache_dir` returns)."""
+"""The cache directory: created private, checked, refused when another user could read or
+replace what it holds (``store`` uses the descriptor :func:`open_cache_dir` returns)."""
 
 from __future__ import annotations
 
@@ -33,9 +32,8 @@ def check_cache_dir(path: Path) -> None:
 
 
 def open_cache_dir(path: Path) -> int:
-    """A descriptor of the cache directory, created 0700 if missing, once it passed
-    Note [The cache directory is used through its descriptor]'s checks; raises
-    :class:`CacheDirRefused` with what to do."""
+    """A descriptor of the cache directory (created 0700 if missing) once it passed its
+    checks; raises :class:`CacheDirRefused` with what to do."""
     path = Path(os.path.abspath(path))
     why = unsafe_parent(path)
     if why is not None:
@@ -68,13 +66,8 @@ def open_cache_dir(path: Path) -> int:
 
 
 def unsafe_parent(path: Path) -> str | None:
-    """Why another user could replace ``path`` (or a folder above it), or ``None``.
-
-    A folder that another user can write, without the sticky bit (``/tmp`` has it), lets
-    that user rename the cache directory away and put a symbolic link to their own in its
-    place; a folder another (non-root) user owns lets them chmod it first. Both the
-    folders named in ``path`` and those its symbolic links lead to are checked.
-    """
+    """Why another user could replace ``path`` (or a folder above it, or one its links
+    lead to): writable by them without the sticky bit, or theirs (non-root); else ``None``."""
     seen: set[str] = set()
     for start in (path.parent, Path(os.path.realpath(path.parent))):
         for folder in (start, *start.parents):

@@ -1,12 +1,5 @@
-"""Which processes map which segment, read from ``/proc/<pid>/maps``.
-
-A memfd segment is named ``overmind-lab:<segment id>``; every process that maps it shows
-a line ending in ``/memfd:overmind-lab:<id> (deleted)``. A segment file shows as
-``<cache dir>/<id>.seg`` (or ``.tmp`` while it is finished, `` (deleted)`` once evicted).
-The daemon asks only the processes that have talked to it (it learns their pids from
-``SO_PEERCRED``), which keeps a scan cheap; results are cached for a short time so that
-polling UIs cost nothing.
-"""
+"""Which processes map which segment, read from ``/proc/<pid>/maps`` of the processes that
+talked to the daemon (``SO_PEERCRED``); cached briefly so that polling UIs cost nothing."""
 
 from __future__ import annotations
 

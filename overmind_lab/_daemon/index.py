@@ -1,35 +1,20 @@
 """The daemon's index: entries, the segments they own or share, LRU and the budget.
 
-The daemon never looks inside a segment. An entry is a key, an opaque ``meta`` object the
-client needs to rebuild the result, the segment ids it uses and its statistics. A segment
-may be used by several entries (a pipeline built from a cached VAE references the VAE's
-segment instead of copying it): segments are reference counted, and a segment is dropped
-(its fd closed, its file deleted: ``on_drop``) when no entry uses it any more.
+An entry is a key, an opaque ``meta`` the client rebuilds the result from, its segment ids and
+statistics; segments are reference counted (an entry may reference another's) and dropped
+(``on_drop``) when no entry uses them.
 
-The budget counts what segments take where they live: disk bytes for files (data, padding
-and trailer), memory bytes for memfds.
+Note [What an entry costs]: one number per segment, ``footprint`` (a file with padding and
+trailer, a memfd's bytes, a held source file's size), used by the budget, ``cached_bytes`` and
+``ls``'s ``bytes``, so ``cached_bytes`` is the sum of ``bytes`` and never above the budget.
+More in docs/notes.md.
 
-Note [What an entry costs]: one number per segment, ``footprint``: a segment file with its
-padding and trailer, a memfd's bytes, a held source file's size (its pages are what a
-warm load maps, in the page cache like a segment's). The budget (``reserve``: the new
-segment and the source files the store holds), ``status`` (``cached_bytes``: every
-segment once) and ``ls`` (``bytes``: the entry's own segments, the source files it holds
-included; ``shared_bytes``: segments of other entries it references) use it, so
-``cached_bytes`` is the sum of ``bytes`` over the entries, and never above the budget.
-Segments evicted while a process still maps them are not cached: they are reported
-apart (``evicted_mapped_bytes``).
+Note [Descriptor budget]: every segment holds one descriptor in the daemon, so their number
+is bounded too (``max_segments``: ``RLIMIT_NOFILE`` less a reserve) and evicted LRU like bytes;
+else ``accept`` fails with EMFILE. More in docs/notes.md.
 
-Note [Descriptor budget]: every segment holds one descriptor in the daemon (its file,
-memfd or held source file), so the number of segments is bounded too: ``max_segments``,
-what ``RLIMIT_NOFILE`` leaves after a reserve for connections and writers
-(``_daemon.process``). A store over it evicts least recently used entries as one over the
-byte budget does. Without it, thousands of small entries ran the daemon out of
-descriptors: ``accept`` failed with EMFILE and every later load waited for its timeout.
-
-Note [Eviction and mappings]: closing the daemon's fd or deleting the file never breaks a
-process that maps the segment: the kernel keeps the pages until the last mapping goes.
-Such segments are remembered in ``evicted`` so that status can report memory that is
-evicted but still held.
+Note [Eviction and mappings]: closing the fd or deleting the file never breaks a process that
+maps the segment; such segments stay in ``evicted`` for ``status``. More in docs/notes.md.
 """
 
 from __future__ import annotations
@@ -78,9 +63,7 @@ class Entry:
     verified: int = 0  # hits that verify mode found equal to a plain load
     warm_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=WARM_HISTORY))
     refresh: RefreshState = field(default_factory=lambda: _IDLE.copy())
-    #: the segments in the order the client's ``meta`` numbers them (its segment, then
-    #: its references as it listed them), when that is not ``own + shared``: the source
-    #: files a store holds are its own (Note [What an entry costs]) wherever they appear
+    #: the segments in the client's ``meta`` order, when that is not ``own + shared``
     order: list[str] | None = None
 
     @property

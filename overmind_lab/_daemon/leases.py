@@ -1,29 +1,12 @@
 """Single flight: while one connection cold-loads a key, the others that ask for it wait.
 
-Note [Single flight and takeover]: a ``lookup`` that finds no entry takes the key's lease
-(``Leases.acquire``) and is answered ``lease``: that process loads the result and stores
-it. A ``lookup`` of the same key meanwhile gets the lease another connection holds; it is
-answered ``wait``, then waits for that lease to be released (``Lease.released``), sending a
-``wait`` keep-alive every few seconds, and then looks again from the start. Three things
-release a lease, each through ``Leases.release`` (which first runs the daemon's clean-up
-of what the key had reserved, then wakes the waiters):
-
-- ``store``: the entry is added to the index *before* the lease is released, so a waiter
-  that wakes always finds it and gets a hit. There is no moment with neither a lease nor
-  an entry, in which a second process would start a second cold load.
-- ``abandon`` (the result cannot be cached): the waiters wake and find no entry.
-- the holder's connection ends (the process died, or its load raised): the connection's
-  ``finally`` calls ``release_all``. This is the takeover: the holder's reservation and
-  half-written segment are discarded (so they count against no budget and leave no file),
-  then the waiters wake, and the first of them to run takes a new lease and loads the key
-  itself; the others find that lease and wait again.
-
-No lock is needed: the daemon runs on one asyncio loop, and there is no ``await`` between
-looking at the index, looking at the leases and taking a lease, so no other request runs
-in between. An event is set once, when its lease goes; a waiter therefore always looks
-again after waking, whatever woke it. A lease has no timeout of its own: a cold load may
-take many minutes, and the holder's connection, which has no idle timeout while it holds
-a lease, is the sign of life (a process that dies closes it).
+Note [Single flight and takeover]: a ``lookup`` with no entry takes the key's lease and loads;
+others are answered ``wait`` (with keep-alives) until the lease goes, then look again. It goes
+on ``store`` (the entry is added *before* the release, so a waiter always finds it), on
+``abandon``, or when the holder's connection ends (takeover: its reservation is discarded and
+the first waiter takes a new lease). One asyncio loop and no ``await`` between the index
+check and ``acquire``: no lock. No timeout: the holder's connection is its sign of life.
+More in docs/notes.md.
 """
 
 from __future__ import annotations
@@ -51,11 +34,8 @@ class Lease:
 
 
 class Leases:
-    """The leases of the keys being loaded now (``Note [Single flight and takeover]``).
-
-    ``on_release(key)`` runs when a lease goes, before the waiters wake: the daemon
-    discards what the key had reserved but not stored.
-    """
+    """The leases of the keys being loaded now; ``on_release(key)`` runs when one goes,
+    before the waiters wake (Note [Single flight and takeover])."""
 
     def __init__(self, on_release: Callable[[str], None] | None = None) -> None:
         self._leases: dict[str, Lease] = {}

@@ -1,22 +1,10 @@
 """The index across daemon restarts: entries as records, and what a new daemon keeps.
 
-A daemon saves its index (``Store.save_index``) after every change that a restart should
-see: a finished store, an eviction, and (debounced) hits. Only entries whose segments are
-all finished files are saved: memfd segments die with the daemon.
-
-A new daemon reopens the index (:func:`restore`). An entry comes back only if
-
-- every segment file it uses passes its trailer check (size, magic, checksums);
-- the files of its source directory still have the (device, inode, size, mtime, ctime)
-  recorded when it was stored (the same check the client's cache key makes, Note [File
-  signatures] in ``_loading/keys.py``; a re-saved model is a new key, and the old entry
-  would only take room);
-- the libraries it was loaded with still have the recorded versions, where the daemon can
-  tell (same interpreter).
-
-Everything else is dropped with its reason in the log, and files that no kept entry uses
-(a ``.tmp`` torn by a crash mid-store, orphans) are deleted. A corrupt index is discarded
-as a whole, with a warning: the cache starts cold, the daemon starts anyway.
+Only entries whose segments are all finished files are saved. :func:`restore` keeps an entry
+only if its segment files pass their trailer check, its source files still have the recorded
+signature (Note [File signatures] in ``_loading/keys.py``) and, on the same interpreter, its
+libraries their versions; the rest is dropped with its reason logged, unused files deleted. A
+corrupt index is discarded with a warning: the cache starts cold.
 """
 
 from __future__ import annotations
@@ -133,14 +121,8 @@ def _check(entry: Entry, opened: dict[str, Segment], bad: dict[str, str]) -> str
 
 
 def source_changed(source: Any) -> str | None:
-    """Why a recorded source signature no longer matches the disk, or ``None``.
-
-    The client's signature (Note [File signatures] in ``_loading/keys.py``): for a single
-    file ``[dev, ino, size, mtime_ns, ctime_ns]``, for a directory one
-    ``[relative path, dev, ino, size, mtime_ns, ctime_ns]`` per file. A signature in any
-    other shape (an older client's, without inode and ctime) cannot be checked: it counts
-    as changed, a miss rather than a possibly stale hit.
-    """
+    """Why a recorded source signature (Note [File signatures]) no longer matches the disk,
+    or ``None``; one of another shape (an older client's) counts as changed."""
     if not isinstance(source, dict) or "local" not in source:
         return None
     root = Path(str(source["local"]))
@@ -179,11 +161,7 @@ def _what_changed(then: list[Any], now: list[int]) -> str:
 
 
 def versions_changed(validate: dict[str, Any]) -> str | None:
-    """Which recorded library version differs from this environment, or ``None``.
-
-    Only checked when the entry was stored by the interpreter this daemon runs on: another
-    interpreter has its own libraries, and its keys tell the difference anyway.
-    """
+    """Which recorded library version differs here, or ``None`` (same interpreter only)."""
     versions = validate.get("versions")
     if validate.get("python") != sys.executable or not isinstance(versions, dict):
         return None

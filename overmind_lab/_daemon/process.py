@@ -1,9 +1,8 @@
 """Running the daemon as a process: ``overmind-lab serve`` in the foreground or detached.
 
-A lifetime ``flock`` beside the socket proves which daemon owns it: a socket whose lock is
-free belongs to a dead daemon and is replaced. ``--detach`` double-forks, calls ``setsid``
-and points stdio at the log file, keeping no inherited descriptor (a daemon holding its
-parent's pipe would hang whoever reads it), and returns once the daemon listens.
+A lifetime ``flock`` beside the socket proves which daemon owns it (a free lock: a dead
+daemon's socket, replaced). ``--detach`` double-forks, ``setsid``, stdio to the log, no
+inherited descriptor, and returns once the daemon listens.
 """
 
 from __future__ import annotations
@@ -108,12 +107,9 @@ def run(path: Path, budget: int, ready_fd: int | None = None,
     try:
         asyncio.run(daemon.serve(sock))
     finally:
-        # Note [Removing our own socket]: the file a socket is bound to is a different
-        # inode from the socket itself (``fstat`` of the socket gives a sockfs inode, which
-        # never equals the path's), so the path's (device, inode) is compared with what it
-        # was right after ``bind``. Only the file this daemon created is removed: a
-        # daemon that replaced us on the same path keeps its own. A clean stop thus leaves
-        # no socket file, and the next client does not take it for a dead daemon's.
+        # Note [Removing our own socket]: only the file this daemon bound (the path's inode
+        # as right after ``bind``; the socket's own is a sockfs inode) is removed, never a
+        # successor's. More in docs/notes.md.
         with contextlib.suppress(OSError):
             now = os.stat(path)
             if (now.st_dev, now.st_ino) == (bound.st_dev, bound.st_ino):

@@ -1,14 +1,9 @@
 """Refresh: put the current version of a model on disk into the cache.
 
-The daemon re-runs the recorded call (``Note [Replay]`` in ``_loading/keys.py``) in a
-background process started with the interpreter that first stored the entry, inside
-``refreshing()``: the load reads the source again and stores under the key it computes
-now (a changed directory gives a new key). When the worker succeeds the daemon drops the
-old entry if the key changed; processes that still map the old version keep it. An entry
-whose call cannot be replayed is evicted, and the refresh says so.
-
-The daemon side (:class:`Refresher`) imports only the standard library; the worker side
-(``python -m overmind_lab._loading.refresh_worker``) imports the model libraries.
+The daemon re-runs the recorded call (``Note [Replay]`` in ``_loading/keys.py``) inside
+``refreshing()`` in a worker (``python -m overmind_lab._loading.refresh_worker``) started with
+the interpreter that stored the entry, and drops the old entry if the key changed; an entry
+that cannot be replayed is evicted. This side imports only the standard library.
 """
 
 from __future__ import annotations
@@ -49,11 +44,8 @@ class Refresher:
     def close(self) -> None:
         """Kill the running workers: the daemon is stopping.
 
-        Note [Workers outlive no daemon]: a worker loads through an ordinary client, which
-        starts a daemon when none listens. A worker left running after its daemon stopped
-        would therefore start a new daemon on the same socket and park its entry there, a
-        daemon nobody asked for. So the daemon kills its workers before it goes.
-        """
+        Note [Workers outlive no daemon]: a worker's client would start a new daemon on the
+        socket once this one is gone, a daemon nobody asked for."""
         for proc in self.workers:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()

@@ -1,32 +1,10 @@
 """The per-user cache daemon: an asyncio server on a Unix socket.
 
-It holds segments (that *is* the cache: read-only files in the cache directory, or sealed
-memfds, see ``store``), an index of entries saved beside them (``persist``), statistics
-and single-flight leases (``leases``). It never imports torch or user code and never
-unpickles anything; it cannot be crashed by a model. Start it with ``overmind-lab serve``
-or let the first client start it (``process``: lifetime lock, ``--detach``).
-
-A connection sends requests (JSON frames, ``_common.protocol``), one after the other; each
-is run by its entry in the operation table, ``OPERATIONS`` (at the end of this module),
-found by its ``op``. The messages of every operation are typed in ``_common.messages``:
-
-``status`` / ``hello``      -> the Status JSON
-``lookup {key, refresh, own}`` -> ``{hit: true, entry}`` + segment fds, or ``{lease: true}``
-                               (you load it), after ``{wait: true}`` and keep-alives while
-                               another process loads the same key (single flight: Note
-                               [Single flight and takeover] in ``leases``); answers itself
-``reserve {key, nbytes, refs}`` -> make room (LRU eviction) and a new segment: its id,
-                               tier and a writable fd; or ``kind: too_large``
-``link {key, files}``       -> hard-link source files whose regions the result's storages
-                               are into the cache: ``{links: [{id, size} | null]}``
-``store {key, segments, ...}`` -> the written segment is committed (read-only from now),
-                               the entry is cached, the lease released
-``abandon {key}``           -> release the lease without storing
-``report {key, seconds}``   -> a warm load's time, for statistics (no reply)
-``list``                    -> ``{entries: [...]}``, each with its ``warm_median_seconds``
-``evict {key}`` / ``evict_all`` / ``refresh {key}`` / ``stop`` (ends the daemon)
-
-A refused request is answered ``{ok: false, kind, error}`` (``kind``: an ``ErrorKind``).
+It holds the segments (``store``), an index of entries saved beside them (``persist``),
+statistics and single-flight leases (``leases``); it never imports torch or user code and never
+unpickles anything. Each request (a JSON frame, ``_common.protocol``; typed in
+``_common.messages``) is run by its ``op``'s entry in ``OPERATIONS``; a refused one is answered
+``{ok: false, kind, error}`` (``kind``: an ``ErrorKind``).
 """
 
 from __future__ import annotations
@@ -187,12 +165,10 @@ class Daemon:
             await asyncio.sleep(0.02)
 
     async def _accept_loop(self, listener: socket.socket) -> None:
-        """Accept connections until stopped. Note [Accept never dies]: an error of
-        ``accept`` is logged and retried; out of descriptors (EMFILE, ENFILE), the least
-        recently used entry is evicted first (Note [Descriptor budget] in ``index``). A
-        loop that ended would leave a daemon that holds its socket and answers nobody:
-        every load would wait for its timeout, and nothing would start a new daemon. Any
-        other exception stops the daemon instead, so that the next load starts one."""
+        """Note [Accept never dies]: an ``accept`` error is logged and retried (EMFILE and
+        ENFILE evict the oldest entry first), since a daemon that holds its socket and
+        answers nobody stalls every load; any other exception stops the daemon, so the next
+        load starts one. More in docs/notes.md."""
         loop = asyncio.get_running_loop()
         tasks: set[asyncio.Task[None]] = set()
         failing = False  # log the first failure of a run of them, and the recovery
@@ -364,8 +340,7 @@ class Daemon:
             self.store.discard(link)
 
     def _check_place(self) -> None:
-        """Refuse, and stop, once the cache directory's path names another directory
-        (Note [The cache directory is used through its descriptor] in ``store``)."""
+        """Refuse and stop once the cache dir's path names another directory (``store``)."""
         why = self.store.displaced()
         if why is None:
             return
@@ -377,10 +352,15 @@ class Daemon:
         raise _RequestError(ErrorKind.STORE_FAILED,
                             f"{why}; the overmind-lab daemon stopped, loads run plainly")
 
-    def _reserve(self, conn: Connection, msg: ReserveRequest) -> Answer:
+    def _leased(self, conn: Connection, msg: ReserveRequest | LinkRequest | StoreRequest,
+                op: str) -> str:
         key = str(msg["key"])
         if not self.leases.holds(conn, key):
-            raise _RequestError(ErrorKind.NO_LEASE, "reserve needs the lease from lookup")
+            raise _RequestError(ErrorKind.NO_LEASE, f"{op} needs the lease from lookup")
+        return key
+
+    def _reserve(self, conn: Connection, msg: ReserveRequest) -> Answer:
+        key = self._leased(conn, msg, "reserve")
         self._check_place()
         refs = set(msg.get("refs", []))
         protect = {k for k, e in self.index.entries.items() if refs & set(e.segments)}
@@ -415,9 +395,7 @@ class Daemon:
                       give=(writer,))
 
     def _link(self, conn: Connection, msg: LinkRequest) -> Answer:
-        key = str(msg["key"])
-        if not self.leases.holds(conn, key):
-            raise _RequestError(ErrorKind.NO_LEASE, "link needs the lease from lookup")
+        key = self._leased(conn, msg, "link")
         self._check_place()
         links: list[SegmentSpec | None] = []
         for record in msg.get("files", []):
@@ -431,9 +409,7 @@ class Daemon:
         return Answer({"ok": True, "links": links})
 
     def _store(self, conn: Connection, msg: StoreRequest) -> Answer:
-        key = str(msg["key"])
-        if not self.leases.holds(conn, key):
-            raise _RequestError(ErrorKind.NO_LEASE, "store needs the lease from lookup")
+        key = self._leased(conn, msg, "store")
         seg = self.pending.get(key)
         specs = msg.get("segments", [])
         if seg is None or specs != [{"id": seg.id, "size": seg.size}]:
@@ -486,15 +462,9 @@ class Daemon:
         if seg.tier == "file":
             self.finishing[seg.id] = seg
             asyncio.ensure_future(self._finish(seg))
-        # Note [What a store promises]: the answer means "cached in this daemon": every
-        # process that asks from now on gets these bytes, or a miss, never others. It
-        # does not wait for the disk: checksumming and fsyncing 1.7 GB would make every
-        # cold load wait about a second more, for a crash that costs one cold load. Across
-        # a crash of the daemon (kill -9, power loss) an acknowledged entry is kept whole
-        # or not at all: kept once its file is finished (trailer, fsync, rename) and the
-        # index naming it saved (fsync, rename, directory fsync), which ``status``
-        # reports as ``unsaved == 0`` (about 0.2 s plus the checksum after the store);
-        # before that, the next daemon deletes the ``.tmp`` and the load is cold.
+        # Note [What a store promises]: "cached in this daemon" (these bytes or a miss, for
+        # every later asker), not yet on disk: a crash keeps the entry whole or not at all
+        # (``unsaved == 0`` once kept). More in docs/notes.md.
         return Answer({"ok": True, "key": key})
 
     # -- the files: finishing, checksums, saving the index -------------------------------
@@ -523,10 +493,8 @@ class Daemon:
             self.store.discard(seg)
 
     async def _intact(self, entry: Entry) -> bool:
-        """Note [Checks before a hit] (``store``): every segment of ``entry`` passes its
-        cheap checks (size, identity, the source file's path), and its checksum where its
-        file changed since its bytes were last known good; otherwise
-        the entry is evicted (logged once: it is gone) and the caller answers a miss."""
+        """Whether every segment passes Note [Checks before a hit] (``store``); if not, the
+        entry is evicted (logged once) and the caller answers a miss."""
         for sid in entry.segments:
             seg = self.index.segments.get(sid)
             if seg is None:
@@ -560,11 +528,8 @@ class Daemon:
         return fut
 
     async def _scrub_all(self) -> None:
-        """After a restart, read the checksum of every saved segment once, most recently
-        used first, in the background (Note [Checks before a hit]: hits do not wait for
-        it), after a short pause that leaves the first loads the disk and CPU. This also
-        reads them into the page cache after a reboot; held source files, which have no
-        checksum, are read ahead by the kernel."""
+        """After a restart, checksum every saved segment once, most recently used first,
+        after a pause that leaves the first loads the disk (Note [Checks before a hit])."""
         for seg in self.index.segments.values():
             if seg.tier == "link":
                 with contextlib.suppress(OSError):
@@ -688,14 +653,12 @@ def _refusal(exc: _RequestError) -> ErrorReply:
 
 class Connection:
     """One client's connection: its channel, and the owner of the leases it takes."""
-
     def __init__(self, chan: AsyncChannel) -> None:
         self.chan = chan
 
 
 class Answer(NamedTuple):
     """A reply to send, with descriptors handed over with it (closed once sent)."""
-
     reply: Reply
     give: tuple[int, ...] = ()
 
@@ -705,12 +668,9 @@ R = TypeVar("R")  # the request type of one operation
 
 @dataclass(frozen=True)
 class Operation:
-    """One entry of the operation table: how the daemon runs a request.
-
-    ``run`` returns the answer to send, or ``None`` when the operation answers for itself
-    (``lookup`` streams its replies) or is not answered (``report``). ``last``: the
-    connection ends after the answer, and so does the daemon (``stop``).
-    """
+    """How the daemon runs a request: ``run`` returns the answer, or ``None`` when the
+    operation answers itself (``lookup``) or not at all (``report``); ``last``: the
+    connection and the daemon end after the answer (``stop``)."""
 
     run: Callable[[Daemon, Connection, Frame], Awaitable[Answer | None]]
     last: bool = False
@@ -721,8 +681,6 @@ def _answers(handler: Callable[[Daemon, Connection, R], Answer], *,
     """An operation answered with the one reply ``handler`` returns."""
 
     async def run(daemon: Daemon, conn: Connection, frame: Frame) -> Answer:
-        # The frame is the request of this op; its fields are converted where they are
-        # read (see the docstring of ``_common.messages``).
         return handler(daemon, conn, cast(R, frame))
 
     return Operation(run, last)

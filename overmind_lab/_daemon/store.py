@@ -1,74 +1,22 @@
 """Where segments live: files in the cache directory, or memfds when files cannot serve.
 
-The daemon creates every segment and hands the writer a descriptor (``reserve``); the
-writer fills it and says ``store``; from then on nobody can change a cached byte.
+The daemon creates every segment and hands the writer a descriptor (``reserve``); after
+``store`` nobody can change a cached byte. File tier (the default): ``<id>.tmp`` (0600), filled
+by the writer, finished in the background (trailer, fsync, 0400, renamed ``<id>.seg``);
+clients get only ``O_RDONLY`` descriptors, mapped ``MAP_PRIVATE``. memfd tier (tmpfs, NFS,
+FUSE, an unwritable or busy directory, a disk short of space): sealed memfds that die with
+the daemon. The index file: ``magic, body length, crc32`` then JSON, replaced atomically.
 
-File tier (the default): ``<cache dir>/<id>.tmp`` is created 0600, filled by the writer
-through a shared mapping (large page-cache folios, see Note [Filling a segment] in the
-client's segments module), then finished in the background (:meth:`Store.finish`): a
-checksummed trailer is appended, the file is fsynced, made 0400 and renamed to
-``<id>.seg``. Clients only ever receive ``O_RDONLY`` descriptors and map them
-``MAP_PRIVATE``, so an in-place write in a kernel copies the page into that kernel and
-never reaches the file.
+Note [Segment trailer]: data from offset 0 (file and mapping offsets agree), zero padding to
+4 KiB, then a 4 KiB trailer (magic, version, data length, crc32, and a crc32 of those). A file
+whose size or trailer disagrees with its index record is corrupt. More in docs/notes.md.
 
-memfd tier (the fallback): a sealed memfd as before. Used for every segment when the cache
-directory sits on tmpfs, NFS, FUSE or another file system whose pages are not held in
-large folios or not reliably ours, when it is not writable or is used by another daemon,
-and for one segment when the disk is short of space. Such segments die with the daemon.
-
-Segment file layout (Note [Segment trailer]): the data from offset 0 (so file offsets
-and mapping offsets agree, and large folios line up), zero padding to a 4 KiB boundary,
-then a 4 KiB trailer: ``magic, version, data length, crc32 of the data`` and a crc32 of
-those fields. A file whose size, magic, trailer checksum or length does not match its
-index record is corrupt: truncated, torn by a crash before ``finish``, or overwritten.
-The data checksum is checked once per daemon lifetime before a file written by an
-earlier daemon is handed out (:meth:`Store.check_sum`).
-
-Note [Checks before a hit]: what the daemon checks before it hands a segment out, and
-what each check costs. Measured on a shared 2-core machine (2026-12-05): ``check`` of a
-segment file 3.8 us, of a held source file 7.9 us, the cache directory's place 3.7 us; a
-lookup hit's round trip, old daemon against this one, interleaved, 400 each: median 302
-against 287 us (noise is larger than the checks). zlib's crc32 reads 0.84 GB/s, so a full
-check of an fp16 SD UNet's 1.7 GB segment takes about 2 s: that is what the first warm load
-after a restart used to wait for (0.7x a plain load). Now, with the checksum behind: the
-first warm fp32 -> fp16 UNet load after a restart took 21, 27 and 24 ms in three restarts,
-the next one 22-47 ms (plain load 5.4 s).
-
-- every segment, every hit: one ``fstat`` of the descriptor (about 1 us). A file's size
-  must be the finished size (or, while it is finished, the stored one): a truncated or
-  extended file is dropped. Its identity (device, inode, size, mtime_ns, ctime_ns) must be
-  its *stamp*, the identity it had when its bytes were last known good (the writer done at
-  ``store``; the checksum written by ``finish``; a checksum passed since). Any write, by
-  any process, moves mtime and ctime, and user space cannot set a ctime back: a stamp
-  that moved means the checksum is read (crc32, about 1 GB/s per core) before the
-  segment is served, and a mismatch drops every entry that uses it, logged once, and the
-  load goes plain. A touch or chmod that changed no byte costs one checksum read.
-- a held source file (link tier): its descriptor's identity against the recorded one,
-  and the path's (device, inode) against the descriptor's (a file renamed over the path
-  is another file): two ``stat`` calls.
-- after a restart: a file whose identity is the stamp saved in the index was not written
-  since its checksum was taken; it is served at once, and its checksum read once in the
-  background (most recently used first, after ``SCRUB_DELAY``): the first warm load after
-  a restart does not read 1.7 GB first. A file without a matching stamp (copied, touched,
-  an index of an older daemon) is checksummed before its first use.
-
-Why timestamps can be trusted here: since Linux 6.13 (multigrain timestamps) a change
-made after a ``stat`` of the inode always gets a new, fine-grained ctime (measured here,
-ext4 on 6.18: 0 of 2000 writes right after an ``fstat`` kept it); every stamp is such a
-``stat``. ``finish`` checks the stamp around its checksum and, after its own trailer
-write, that the mtime did not move again (its chmod and rename move only the ctime).
-
-What remains: a change below the file system (a bit flipped on the medium, a write to
-the block device by root) is found by the background checksum after a restart, not
-before a hit of the running daemon: the page cache serves what was written. A write in
-the microseconds between ``finish``'s stamp check and its trailer write is sealed into
-the checksum. On kernels before 6.13, a write within one timestamp tick (a few ms) of
-the stamp can keep it.
-
-The index file (``<cache dir>/index``) is a header ``magic, body length, crc32 of the
-body`` followed by a JSON body, written to ``index.tmp``, fsynced and renamed over the old
-one, then the directory is fsynced (write, fsync, rename: a crash leaves the old index or
-the new one, never a mix).
+Note [Checks before a hit]: one ``fstat`` per segment and hit: a file's size must be its
+finished size and its identity its *stamp* (when its bytes were last known good), or its
+checksum is read before it is served; a mismatch drops every entry that uses it. A held
+source file: its descriptor's identity, and the path's inode against it. After a restart a
+file with a matching stamp is served at once and checksummed in the background. Any write
+moves mtime and ctime (multigrain timestamps since Linux 6.13). More in docs/notes.md.
 """
 
 from __future__ import annotations
@@ -142,7 +90,6 @@ def identity(st: os.stat_result) -> list[int]:
 @dataclass
 class Segment:
     """One segment the daemon holds: its read-only descriptor and where it lives."""
-
     id: str
     fd: int
     size: int
@@ -154,8 +101,7 @@ class Segment:
     refs: int = 0
     writer_fd: int = -1  # file tier, until finished
     trailer_mtime: int = 0  # file tier, while finished: the mtime of the trailer's write
-    #: file tier: the file's identity (``IDENTITY``) when its bytes were last known good:
-    #: at ``store`` (the writer is done), after ``finish``, after a checksum passed
+    #: file tier: the identity when its bytes were last known good (store, finish, checksum)
     stamp: list[int] | None = None
     #: link tier: the source file as recorded (path and ``IDENTITY``)
     source: dict[str, Any] | None = None
@@ -166,10 +112,8 @@ class Segment:
         return {"id": self.id, "size": self.size, "crc": self.crc, "stamp": self.stamp}
 
     def check(self) -> str | None:
-        """Why this segment must not be handed out, or ``None``; cheap (one or two
-        ``fstat``), run before every hit: Note [Checks before a hit]. A file whose
-        identity moved since its bytes were last known good is marked ``sum_ok`` False: the
-        caller checks its checksum before serving it."""
+        """Why it must not be handed out, or ``None``; before every hit (Note [Checks before
+        a hit]). A moved identity sets ``sum_ok`` False: the caller reads the checksum."""
         try:
             st = os.fstat(self.fd)
         except OSError as exc:
@@ -226,17 +170,11 @@ class Segment:
 class Store:
     """The cache directory (or none) and the segments' life cycle in it.
 
-    Note [The cache directory is used through its descriptor]: the daemon checks the
-    directory once (ours, 0700, no folder above it that another user could change:
-    ``open_cache_dir``) and from then on names every file relative to the descriptor it
-    opened then (``dir_fd=``: openat, unlinkat, renameat, ``scandir`` of the fd). A
-    directory renamed away and replaced (by a symbolic link to someone else's) is never
-    followed: the daemon goes on using the inode it checked, and the next request sees the
-    swap (:meth:`displaced`) and stops the daemon, whose successor refuses the new one.
-    Every file is opened ``O_NOFOLLOW | O_NONBLOCK`` and must be a regular file: a symbolic
-    link, FIFO, socket or device planted under one of our names is refused, never
-    followed, never waited on (``O_NONBLOCK``: opening a FIFO does not block, reading a
-    device is never tried). New files are ``O_CREAT | O_EXCL``.
+    Note [The cache directory is used through its descriptor]: checked once when opened
+    (``open_cache_dir``), then every file is named relative to that descriptor (``dir_fd=``),
+    so a directory replaced later is never followed (:meth:`displaced` stops the daemon).
+    Files are opened ``O_NOFOLLOW | O_NONBLOCK`` and must be regular; new ones ``O_EXCL``.
+    More in docs/notes.md.
     """
 
     def __init__(self, directory: Path | None) -> None:
@@ -321,11 +259,7 @@ class Store:
 
     # -- creating ---------------------------------------------------------------------
     def create(self, sid: str, size: int) -> tuple[Segment, int]:
-        """A new segment of ``size`` bytes and a writable descriptor for the writer.
-
-        The caller sends the writable descriptor and closes it; the segment keeps the
-        daemon's own descriptors until :meth:`commit` (or :meth:`discard`).
-        """
+        """A new segment and a writable descriptor, which the caller sends and closes."""
         if self.persistent and self._has_room(size):
             name = sid + TMP_SUFFIX
             rw = self._open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -363,10 +297,8 @@ class Store:
         if seg.tier == "file":
             seg.stamp = identity(st)  # Note [Checks before a hit]: the writer is done
         if seg.tier == "memfd":
-            # Note [Seal after unmapping]: F_SEAL_WRITE fails with EBUSY while any shared
-            # writable mapping of the memfd exists. The writer unmaps before it sends
-            # ``store``; sealing earlier would forbid the writing itself. Readers map
-            # MAP_PRIVATE, which the seal allows.
+            # Note [Seal after unmapping]: F_SEAL_WRITE fails (EBUSY) while a shared writable
+            # mapping exists; the writer unmaps before ``store``. Readers map MAP_PRIVATE.
             try:
                 fcntl.fcntl(seg.fd, fcntl.F_ADD_SEALS, SEGMENT_SEALS)
             except OSError as exc:  # a writable mapping is still alive somewhere
@@ -386,14 +318,10 @@ class Store:
     def link(self, sid: str, record: dict[str, Any]) -> tuple[Segment | None, str]:
         """Hold a source file whose regions storages are; ``(None, why)`` when it cannot.
 
-        Note [Source files are held, not linked]: the daemon opens the file and keeps the
-        descriptor (the entry's bytes stay those of that inode while it lives) and records
-        its path and identity, which a restarted daemon reopens and compares. It used to
-        hard-link the file into the cache directory; a link changes the file's ctime,
-        which the client's key covers (Note [File signatures]): every load after a store
-        would have missed. See also Note [Referenced source files] in the client's sources
-        module.
-        """
+        Note [Source files are held, not linked]: the daemon keeps the file's descriptor (the
+        entry's bytes are that inode's) and records its path and identity, which a restarted
+        daemon reopens and compares. A hard link would change the file's ctime, which the
+        client's key covers (Note [File signatures]). More in docs/notes.md."""
         if not self.persistent or self.dir is None:
             return None, "the cache is in memory (memfd tier)"
         path = str(record.get("path", ""))
@@ -421,17 +349,13 @@ class Store:
     def finish(self, seg: Segment) -> None:
         """Checksum, trailer, fsync, 0400, rename to ``<id>.seg``. Blocking.
 
-        Note [Finishing in the background]: the entry is served from the ``.tmp`` file
-        while this runs (its pages are in the page cache already); a crash before the
-        rename leaves a ``.tmp`` that the next daemon deletes, and the index only ever
-        names finished files. The file must not have moved since ``store`` (its stamp):
-        the checksum would seal bytes nobody stored.
-        """
+        Note [Finishing in the background]: the entry is served from the ``.tmp`` meanwhile;
+        a crash before the rename leaves a ``.tmp`` the next daemon deletes. The file must
+        not have moved since ``store`` (its stamp): the checksum would seal bytes nobody
+        stored."""
         assert self.dir is not None and seg.writer_fd >= 0
         written = f"segment file {seg.id} was written after it was stored"
-        # The checksum is the bytes as stored only if the file did not move since
-        # ``store``, nor while it was read (a change after a ``stat`` always moves the
-        # ctime on Linux 6.13+, multigrain timestamps).
+        # Valid only if the file did not move since ``store`` nor while it was read.
         crc = _crc_fd(seg.fd, seg.size)
         if seg.stamp is not None and identity(os.fstat(seg.fd)) != seg.stamp:
             raise Corrupt(written)
@@ -462,11 +386,8 @@ class Store:
     def open_segment(self, record: dict[str, Any]) -> Segment:
         """Reopen a finished segment file named by an index record; checks its trailer.
 
-        A file whose identity is the one recorded after it was finished was not written
-        since its checksum was taken: it is served at once and its checksum read in the
-        background (``scrubbed`` False). Any other (no stamp, copied, touched) is checked
-        before its first use (``sum_ok`` False). Note [Checks before a hit].
-        """
+        With its recorded stamp it is served at once (``scrubbed`` False); without, checked
+        before its first use (``sum_ok`` False). Note [Checks before a hit]."""
         assert self.dir is not None
         if record.get("tier") == "link":
             return self._open_link(record)
@@ -530,10 +451,7 @@ class Store:
         seg.sum_ok = seg.scrubbed = True
 
     def collect(self, keep: set[str]) -> list[str]:
-        """Delete every segment file and leftover not in ``keep``; returns their names.
-
-        ``.src`` files are hard links an older daemon made (Note [Source files are held,
-        not linked]): all go."""
+        """Delete every segment file and leftover (old ``.src`` links too) not in ``keep``."""
         if self.dir is None or not self.persistent:
             return []
         removed = []
