@@ -15,27 +15,8 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
-from overmind_lab._common.messages import (
-    EntryJson,
-    EvictReply,
-    HitReply,
-    LinkReply,
-    ListReply,
-    Op,
-    RefreshReply,
-    ReportRequest,
-    Request,
-    ReserveReply,
-    SourceRecord,
-    Status,
-    StatusReply,
-    StopReply,
-    StoreReply,
-    StoreRequest,
-    WireEntry,
-)
 from overmind_lab._common.naming import SOCKET_ENV, socket_path
 from overmind_lab._common.protocol import Channel, Frame
 from overmind_lab._errors import (
@@ -45,6 +26,27 @@ from overmind_lab._errors import (
     ProtocolError,
     UnknownEntry,
 )
+
+if TYPE_CHECKING:
+    from overmind_lab._common.messages import (
+        EntryJson,
+        EvictReply,
+        HitReply,
+        LinkReply,
+        ListReply,
+        Op,
+        RefreshReply,
+        ReportRequest,
+        Request,
+        ReserveReply,
+        SourceRecord,
+        Status,
+        StatusReply,
+        StopReply,
+        StoreReply,
+        StoreRequest,
+        WireEntry,
+    )
 
 __all__ = ["Client", "Session"]
 
@@ -143,33 +145,33 @@ class Client:
     def status(self) -> Status:
         """Daemon status; ``{"running": False, ...}`` when no daemon runs (never raises)."""
         try:
-            return _status(cast(StatusReply, self.request("status")))
+            return _status(cast("StatusReply", self.request("status")))
         except (DaemonUnavailable, ProtocolError) as exc:
             return {"running": False, "socket": str(self.path), "error": str(exc)}
 
     def entries(self) -> list[EntryJson]:
         """Every cache entry with its statistics, most recently used first."""
-        return list(cast(ListReply, self.request("list"))["entries"])
+        return list(cast("ListReply", self.request("list"))["entries"])
 
     def evict(self, key: str) -> list[str]:
         """Evict the entry with this key (or unique key prefix, or exact name)."""
-        return list(cast(EvictReply, self.request("evict", key=key))["evicted"])
+        return list(cast("EvictReply", self.request("evict", key=key))["evicted"])
 
     def evict_all(self) -> list[str]:
-        return list(cast(EvictReply, self.request("evict_all"))["evicted"])
+        return list(cast("EvictReply", self.request("evict_all"))["evicted"])
 
     def refresh(self, key: str) -> EntryJson:
         """Reload the entry from its source in the background; returns the entry."""
-        return cast(RefreshReply, self.request("refresh", key=key))["entry"].copy()
+        return cast("RefreshReply", self.request("refresh", key=key))["entry"].copy()
 
     def start(self) -> Status:
         """Start the daemon if it is not running; returns its status."""
-        return _status(cast(StatusReply, self.request("status", start=True)))
+        return _status(cast("StatusReply", self.request("status", start=True)))
 
     def stop(self, timeout: float = 10.0) -> bool:
         """Stop the daemon; ``False`` if none was running."""
         try:
-            reply = cast(StopReply, self.request("stop"))
+            reply = cast("StopReply", self.request("stop"))
         except DaemonUnavailable:
             return False
         pid = int(reply.get("pid", 0))
@@ -208,7 +210,7 @@ class Session:
             reply, fds = _recv(self.chan)
             if not reply.get("wait"):
                 if reply.get("hit"):
-                    return cast(HitReply, reply)["entry"], fds
+                    return cast("HitReply", reply)["entry"], fds
                 return None, fds  # the lease
             if time.monotonic() > deadline:
                 raise DaemonUnavailable(f"gave up waiting for another process to load {key}")
@@ -216,13 +218,13 @@ class Session:
     def reserve(self, key: str, nbytes: int, refs: list[str]) -> tuple[ReserveReply, list[int]]:
         """Make room for ``nbytes`` and a new segment; the caller owns the writable fd."""
         reply, fds = call(self.chan, {"op": "reserve", "key": key, "nbytes": nbytes, "refs": refs})
-        return cast(ReserveReply, reply), fds
+        return cast("ReserveReply", reply), fds
 
     def link(self, key: str, files: list[SourceRecord]) -> LinkReply:
-        return cast(LinkReply, self._request({"op": "link", "key": key, "files": files}))
+        return cast("LinkReply", self._request({"op": "link", "key": key, "files": files}))
 
     def store(self, msg: StoreRequest) -> StoreReply:
-        return cast(StoreReply, self._request(msg))
+        return cast("StoreReply", self._request(msg))
 
     def abandon(self, key: str) -> None:
         """Release the lease without storing."""
@@ -289,7 +291,7 @@ def _refusal(reply: Frame) -> OvermindError:
 
 def _status(reply: StatusReply) -> Status:
     """The Status JSON: a status reply without its ``ok``."""
-    return cast(Status, {k: v for k, v in reply.items() if k != "ok"})
+    return cast("Status", {k: v for k, v in reply.items() if k != "ok"})
 
 
 def _resolve(path: str | os.PathLike[str] | None) -> Path:

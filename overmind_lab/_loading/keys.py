@@ -24,11 +24,13 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from overmind_lab._common.messages import ReplaySpec
 from overmind_lab._errors import NotCacheable
 from overmind_lab._loading import user_code
+
+if TYPE_CHECKING:
+    from overmind_lab._common.messages import ReplaySpec
 
 __all__ = ["KeyInfo", "make_key", "key_of", "remember", "FORMAT_VERSION"]
 

@@ -18,9 +18,8 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, NotRequired, TypedDict, TypeVar, cast
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict, TypeVar, cast
 
-from overmind_lab._common.messages import WireEntry
 from overmind_lab._errors import (
     ErrorKind,
     NotCacheable,
@@ -28,8 +27,8 @@ from overmind_lab._errors import (
     OvermindWarning,
     VerifyMismatch,
 )
-from overmind_lab._loading import background, observe, user_code
 from overmind_lab._loading import keys as _keys
+from overmind_lab._loading import observe, user_code
 from overmind_lab._loading.client import Client, Session
 from overmind_lab._loading.pickling import (
     WritePlan,
@@ -40,6 +39,10 @@ from overmind_lab._loading.pickling import (
 )
 from overmind_lab._loading.segments import map_segment, write_segment
 from overmind_lab._loading.sources import SourceFile, SourceMap
+
+if TYPE_CHECKING:
+    from overmind_lab._common.messages import WireEntry
+    from overmind_lab._loading import background
 
 __all__ = ["load", "bypass", "refreshing", "verifying", "set_verify", "record_loads",
            "LoadEvent", "key_of"]
@@ -276,6 +279,8 @@ def _load_with(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
         _emit(LoadEvent(info.key, info.name, "uncached", time.perf_counter() - start,
                         reason=reason))
         return result
+    from overmind_lab._loading import background  # cold loads only: not on a hit's path
+
     if background.wanted(result):
         def store() -> None:
             _store(session, info, result, cold, components, capture.observed, taken)

@@ -22,8 +22,11 @@ import os
 import stat
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from overmind_lab._common.messages import SourceRecord
+if TYPE_CHECKING:
+    from overmind_lab._common.messages import SourceRecord
+
 
 __all__ = ["SourceFile", "SourceMap", "MIN_REFERENCE"]
 
