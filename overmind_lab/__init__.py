@@ -1,15 +1,8 @@
 """overmind-lab: warm model reloads for notebook development.
 
-The first ``from_pretrained`` (or any call passed to :func:`load`) parks its result in shared memory
-held by a small per-user daemon; every later load, from any process of the same user (a restarted
-kernel), comes back in milliseconds, zero-copy and copy-on-write isolated.
-
->>> import overmind_lab                                                # doctest: +SKIP
->>> unet = overmind_lab.load(UNet2DConditionModel.from_pretrained, "/models/unet")
-
-In a notebook: ``%load_ext overmind_lab`` then ``%overmind_load``.
-
-Importing this package is cheap: torch and the model libraries are imported when a load needs them.
+The first ``from_pretrained`` (or any call passed to :func:`load`) parks its result in shared
+memory held by a per-user daemon; every later load, from any process of the user, comes back in
+milliseconds, zero-copy and copy-on-write isolated. Importing this package is cheap.
 """
 
 from __future__ import annotations

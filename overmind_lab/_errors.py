@@ -1,17 +1,5 @@
-"""Exceptions raised by overmind-lab.
-
-::
-
-    OvermindError                 base class: catch this to catch everything below
-    ├── DaemonUnavailable         no daemon answers on the socket and none could be started
-    ├── ProtocolError             the daemon answered something this client cannot read
-    ├── UnknownEntry              no cache entry has that key (or key prefix)
-    └── NotCacheable              a call or its result cannot be cached (the caller falls
-                                  back to an uncached load; users normally see a warning)
-
-Warnings: ``OvermindWarning`` (the cache stepped aside, the load went on) and its subclass
-``VerifyMismatch``. OS errors are translated at the boundary (``raise ... from exc``).
-"""
+"""Exceptions raised by overmind-lab (base: ``OvermindError``) and its warnings
+(``OvermindWarning``, ``VerifyMismatch``). OS errors are translated at the boundary."""
 
 from __future__ import annotations
 
@@ -32,7 +20,6 @@ __all__ = [
 class ErrorKind(str, enum.Enum):
     """Why the daemon refused a request: the ``kind`` of an ``{"ok": false}`` reply (members compare
     equal to their wire strings)."""
-
     PERMISSION = "permission"  # another uid's client (SO_PEERCRED)
     BAD_REQUEST = "bad_request"  # malformed request, unknown op, bad segment
     UNSUPPORTED = "unsupported"  # this daemon cannot do that (e.g. refresh)

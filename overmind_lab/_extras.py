@@ -1,14 +1,8 @@
-"""Optional dependencies: which extra brings what, and one clear error when one is missing.
+"""Optional dependencies: which extra brings what, and one clear error when one is missing
+(before anything starts).
 
-A bare ``pip install overmind-lab`` brings the daemon and the CLI; a feature that needs more says
-so before it starts anything (no daemon, no half-written kernelspec):
-
->>> require("torch", "overmind_lab.load()")                          # doctest: +SKIP
-MissingDependency: overmind_lab.load() needs torch, which is not installed here:
-pip install "overmind-lab[torch]"
-
-Note [Extras]: :data:`EXTRAS` names, for each extra of ``pyproject.toml``, the modules a feature of
-that extra imports; keep the two in step.
+Note [Extras]: :data:`EXTRAS` names, for each extra of ``pyproject.toml``, the modules a feature
+of that extra imports; keep the two in step.
 """
 
 from __future__ import annotations

@@ -211,7 +211,6 @@ class _Walker:
             self.tokenizer(obj, path, depth)
         self.instance(obj, path, depth)
 
-    # -- containers and instances --------------------------------------------------------
     def mapping(self, obj: Any, path: str, depth: int) -> None:
         keys = list(obj.keys())
         self.put(path, f"{_qual(type(obj))} keys {_ADDRESS.sub('', repr(keys))}")
@@ -291,7 +290,6 @@ class _Walker:
             if parts[index] is not None:
                 self.visit(list(parts[index]), _attr(path, label), depth + 1)
 
-    # -- torch ---------------------------------------------------------------------------
     def module(self, obj: Any, path: str, depth: int) -> None:
         # ``_compiled_call_impl = None`` reads as the class attribute; __getstate__ drops it.
         state = {k: v for k, v in obj.__dict__.items()
@@ -403,7 +401,6 @@ class _Walker:
         self.put(path, f"{_qual(type(a))} {a.dtype} shape {list(a.shape)} strides "
                        f"{list(a.strides)} bytes {_digest(data.tobytes())}")
 
-    # -- tokenizers ----------------------------------------------------------------------
     def tokenizer(self, tok: Any, path: str, depth: int) -> None:
         self.put(path, _qual(type(tok)))
         probes: list[tuple[str, Callable[[], Any]]] = [

@@ -31,10 +31,8 @@ OPS: tuple[Op, ...] = get_args(Op)
 JsonObject = dict[str, object]
 
 
-# -- requests -----------------------------------------------------------------------------
 class OpRequest(TypedDict):
     """A request with no fields: ``list``, ``evict_all``, ``stop``."""
-
     op: Op
 
 
@@ -44,7 +42,6 @@ class StatusRequest(TypedDict):
 
 class KeyRequest(TypedDict):
     """``abandon``, ``evict``, ``refresh``: a key, a unique prefix or an exact name."""
-
     op: Literal["abandon", "evict", "refresh"]
     key: str
 
@@ -65,7 +62,6 @@ class ReserveRequest(TypedDict):
 
 class SourceRecord(TypedDict):
     """A source file whose unchanged regions are storages of the result."""
-
     path: str
     dev: int
     ino: int
@@ -86,7 +82,6 @@ class SegmentSpec(TypedDict):
 
 class ReplaySpec(TypedDict):
     """How to re-run a cached call (``Note [Replay]`` in ``_loading.keys``)."""
-
     callable: str  # ``module:qualname``
     args: list[object]  # JSON-encoded arguments (``_loading.keys.revive`` decodes them)
     kwargs: dict[str, object]
@@ -128,7 +123,6 @@ Request = (OpRequest | StatusRequest | KeyRequest | LookupRequest | ReserveReque
            | LinkRequest | StoreRequest | ReportRequest)
 
 
-# -- replies ------------------------------------------------------------------------------
 class OkReply(TypedDict):
     ok: Literal[True]
 
@@ -147,7 +141,6 @@ class _StatusFields(TypedDict):
 class Status(_StatusFields, total=False):
     """The Status JSON (``docs/internals.md``): a running daemon sends all but ``error``; else
     ``running`` (false), ``socket`` and ``error`` (the REST route adds the memory keys)."""
-
     pid: int
     version: str
     started: float  # epoch seconds
@@ -179,7 +172,6 @@ class WireSegment(TypedDict):
 
 class WireEntry(TypedDict):
     """What a hit needs to rebuild the result (its segments come as fds, in order)."""
-
     key: str
     name: str
     meta: JsonObject
@@ -279,24 +271,20 @@ Reply = (OkReply | ErrorReply | StatusReply | HitReply | LeaseReply | WaitReply 
          | LinkReply | StoreReply | ListReply | EvictReply | RefreshReply | StopReply)
 
 
-# -- the refresh worker (stdin / last line of stdout) ----------------------------------------
 class RefreshJob(TypedDict):
     """What ``_daemon.refresh.Refresher`` sends a refresh worker on its stdin."""
-
     key: str
     call: ReplaySpec
 
 
 class RefreshResult(TypedDict, total=False):
     """The worker's last line: ``{"ok": true, "key", "seconds"}`` or ``{"ok": false, "error"}``."""
-
     ok: bool
     key: str | None
     seconds: float
     error: str
 
 
-# -- the zygote's wire ----------------------------------------------------------------------
 # Note [The zygote's wire]: the provisioner and the launcher (``_common.zygote_client``) and
 # ``overmind-lab kernel status|restart-zygote`` talk to a zygote over its Unix socket, in the frames
 # of ``_common.protocol``: ``fork`` `ForkRequest` + stdin, stdout, stderr fds -> `ForkReply` + a
@@ -311,7 +299,6 @@ ZYGOTE_OPS: tuple[ZygoteOp, ...] = get_args(ZygoteOp)
 
 class ForkRequest(TypedDict):
     """Fork a kernel: ``python -m MODULE ARGS`` as ``argv``, in ``cwd`` with ``env``."""
-
     op: Literal["fork"]
     argv: list[str]
     env: dict[str, str]
@@ -341,7 +328,6 @@ class ZygoteRefusal(TypedDict):
 
 class ExitReport(TypedDict):
     """The forked kernel's exit status (``os.waitstatus_to_exitcode``; -1: unknown)."""
-
     exit: int
 
 

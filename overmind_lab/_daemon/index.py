@@ -89,7 +89,6 @@ class Index:
         self.evicted: dict[str, int] = {}
         self.reserved: dict[str, int] = {}
 
-    # -- accounting -------------------------------------------------------------------
     @property
     def cached_bytes(self) -> int:
         return sum(footprint(s) for s in self.segments.values())
@@ -100,7 +99,6 @@ class Index:
                      if s in self.segments)
         return own, shared
 
-    # -- lookup -----------------------------------------------------------------------
     def get(self, key: str) -> Entry | None:
         return self.entries.get(key)
 
@@ -114,7 +112,6 @@ class Index:
         """Keys matching exactly, else by prefix, else by exact display name."""
         return match_keys(key_or_prefix, ((k, e.name) for k, e in self.entries.items()))
 
-    # -- budget -----------------------------------------------------------------------
     def reserve(self, token: str, nbytes: int, protect: set[str],
                 segments: int = 1) -> list[str]:
         """Make room for ``nbytes`` in ``segments`` new segments (evicting LRU entries not
@@ -153,7 +150,6 @@ class Index:
     def _used(self) -> int:
         return self.cached_bytes + sum(self.reserved.values())
 
-    # -- mutation ---------------------------------------------------------------------
     def add(self, entry: Entry, new_segments: list[Segment]) -> None:
         """Insert ``entry`` (replacing one with the same key) with its new segments."""
         for seg in new_segments:

@@ -124,7 +124,6 @@ class Daemon:
         self.stopping = asyncio.Event()
         self.refresher: Refresher | None = None  # set by refresh.attach
 
-    # -- lifecycle --------------------------------------------------------------------
     async def serve(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -249,7 +248,6 @@ class Daemon:
                 self.stopping.set()
                 return
 
-    # -- operations (the table: OPERATIONS, below the class) ----------------------------
     def _status_op(self, conn: Connection, msg: StatusRequest) -> Answer:
         return Answer({"ok": True, **self.status()})
 
@@ -467,7 +465,6 @@ class Daemon:
         # (``unsaved == 0`` once kept). More in docs/notes.md.
         return Answer({"ok": True, "key": key})
 
-    # -- the files: finishing, checksums, saving the index -------------------------------
     async def _finish(self, seg: Segment) -> None:
         try:
             await asyncio.to_thread(self.store.finish, seg)
@@ -573,7 +570,6 @@ class Daemon:
         if entry is not None and msg.get("verified") is True:
             entry.verified += 1
 
-    # -- views ------------------------------------------------------------------------
     def _wire_entry(self, entry: Entry) -> WireEntry:
         return {
             "key": entry.key, "name": entry.name, "meta": entry.meta,
@@ -671,7 +667,6 @@ class Operation:
     """How the daemon runs a request: ``run`` returns the answer, or ``None`` when the
     operation answers itself (``lookup``) or not at all (``report``); ``last``: the
     connection and the daemon end after the answer (``stop``)."""
-
     run: Callable[[Daemon, Connection, Frame], Awaitable[Answer | None]]
     last: bool = False
 

@@ -236,7 +236,6 @@ class Store:
                     "daemon ran")
         return None
 
-    # -- files, by name in the directory we hold ------------------------------------------
     def _open(self, name: str, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
         """Open ``name`` in the cache directory: never a symbolic link, never blocking,
         always a regular file (else ``Corrupt``)."""
@@ -257,7 +256,6 @@ class Store:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(name, dir_fd=self._dir_fd)
 
-    # -- creating ---------------------------------------------------------------------
     def create(self, sid: str, size: int) -> tuple[Segment, int]:
         """A new segment and a writable descriptor, which the caller sends and closes."""
         if self.persistent and self._has_room(size):
@@ -314,7 +312,6 @@ class Store:
             for suffix in (SEG_SUFFIX, TMP_SUFFIX):
                 self._unlink(seg.id + suffix)
 
-    # -- source files ---------------------------------------------------------------
     def link(self, sid: str, record: dict[str, Any]) -> tuple[Segment | None, str]:
         """Hold a source file whose regions storages are; ``(None, why)`` when it cannot.
 
@@ -345,7 +342,6 @@ class Store:
         keep = {"path": path, **dict(zip(IDENTITY, identity(st), strict=True))}
         return Segment(sid, fd, st.st_size, "link", persisted=True, source=keep), ""
 
-    # -- finishing (blocking: run in a thread) ------------------------------------------
     def finish(self, seg: Segment) -> None:
         """Checksum, trailer, fsync, 0400, rename to ``<id>.seg``. Blocking.
 
@@ -382,7 +378,6 @@ class Store:
         if self._dir_fd >= 0:
             os.fsync(self._dir_fd)
 
-    # -- reopening --------------------------------------------------------------------
     def open_segment(self, record: dict[str, Any]) -> Segment:
         """Reopen a finished segment file named by an index record; checks its trailer.
 
@@ -472,7 +467,6 @@ class Store:
                 removed.append(name)
         return removed
 
-    # -- the index file ---------------------------------------------------------------
     def save_index(self, body: dict[str, Any]) -> None:
         """Write the index atomically (write, fsync, rename, fsync the directory)."""
         assert self.dir is not None and self.persistent
@@ -579,7 +573,6 @@ except OSError:  # pragma: no cover - not glibc/musl
     _libc = None
 
 
-# -- helpers ----------------------------------------------------------------------------
 def _align(n: int) -> int:
     return (n + PAGE - 1) // PAGE * PAGE
 

@@ -1,38 +1,19 @@
 """In a forked child of the zygote: become a kernel exactly as a fresh process would.
 
-``run_and_exit`` runs in the child right at the fork (Note [Leaving the zygote's loop]), after the
-zygote's descriptors were closed: it makes the process look like ``python -m MODULE ARGS`` started
-fresh, runs the module as ``__main__`` (``runpy``), and exits as a fresh interpreter would
-(Note [Fast exit]). What a fresh process has and a fork would not, set in this order:
+``run_and_exit`` runs in the child at the fork site: it takes on the server's process attributes
+first, then session, stdio, cwd, env, signals, ``sys.path``, TZ, random state, library state and
+BLAS threads as a fresh ``python -m MODULE ARGS`` has them, runs the module (``runpy``) and exits.
 
-- the server's process attributes (Note [Inherited process attributes], ``_common/inherit.py``)
-  first: a child that cannot take them on exits and tells the zygote why (the launch is plain);
-- its own session (``setsid``), so a ``killpg`` of the kernel never reaches the zygote;
-- the given stdio, cwd and environment (replaced, the C library's too, for later ``getenv``);
-- default signal dispositions and an empty mask (Note [Interrupted at birth] for ipykernel);
-- ``sys.path[0]`` = the cwd, as for ``-m``, and fresh import caches;
-- its ``TZ`` (``time.tzset()``) and ``sys.orig_argv``;
-- new random state for ``random``, numpy's global ``RandomState`` and torch's CPU generator,
-  from OS entropy as a fresh process seeds them;
-- no tqdm write lock shared with the zygote (Note [Library state across the fork]);
-- the BLAS thread counts a fresh process gets (Note [BLAS threads] in ``_zygote/loop.py``),
-  probed once per zygote and CPU affinity, set through threadpoolctl (torch's intra-op pool
-  never started in the zygote and reads the kernel's ``OMP_NUM_THREADS``).
+Note [What a warm kernel does not share with a fresh one]: the differences a fork cannot avoid
+are :data:`INTENDED_DIFFERENCES` (and Note [Environment set at import]), listed by ``kernel
+status``; ``tests/test_warm_kernel_fresh.py`` compares the rest. More in docs/notes.md.
 
-Note [Interrupted at birth]: jupyter_client interrupts a kernel before shutting it down, so a quick
-second restart sends SIGINT to a kernel still starting (whose ``KeyboardInterrupt`` traceback went
-to the server log). The zygote blocks SIGINT across the fork; an ipykernel child installs a handler
-that drops it, then unblocks it; ipykernel's ``init_signal`` replaces that with ``SIG_IGN``, so the
-kernel sees a fresh kernel's dispositions and mask.
+Note [Interrupted at birth]: a quick second restart interrupts a kernel still starting; the zygote
+blocks SIGINT across the fork and an ipykernel child drops it until ipykernel's own ``SIG_IGN``.
+More in docs/notes.md.
 
-Note [What a warm kernel does not share with a fresh one]: intended differences (a fork cannot avoid
-them), listed by ``overmind-lab kernel status`` (:data:`INTENDED_DIFFERENCES`, and
-Note [Environment set at import]); ``tests/test_warm_kernel_fresh.py`` compares the rest.
-
-Note [Parent death]: ipykernel's parent poller watches ``getppid()``, the zygote here. The zygote
-hands the child a pidfd of the server; a daemon thread waits on it and exits as ipykernel's poller
-does (``os._exit(1)``), within a second of the server's death, even a SIGKILL. Only with
-``JPY_PARENT_PID`` (non-independent kernels); ipykernel's own poller is off.
+Note [Parent death]: ipykernel's poller would watch the zygote; a thread waits on the server's
+pidfd instead and exits (``os._exit(1)``) within a second of its death. More in docs/notes.md.
 """
 
 from __future__ import annotations
@@ -63,7 +44,6 @@ __all__ = ["ForkTask", "run_and_exit", "run", "become", "exit_now", "tqdm_classe
 @dataclass
 class ForkTask:
     """What a forked child needs to become a kernel, built by the zygote from the request."""
-
     argv: list[str]
     env: dict[str, str]
     cwd: str
@@ -271,11 +251,8 @@ def run(task: ForkTask) -> int:
 def run_and_exit(task: ForkTask) -> NoReturn:
     """In the child, right after the fork: become the kernel, run it, exit.
 
-    Note [Leaving the zygote's loop]: as ``multiprocessing.forkserver`` does, the child works at the
-    fork site and exits there (:func:`exit_now`), never returning into the zygote's loop: its frames
-    stay unused on the stack (``_close_for_child`` closed their descriptors), and anything
-    :func:`run` lets out is printed as the interpreter would, with status 1.
-    """
+    Note [Leaving the zygote's loop]: the child never returns into the zygote's loop (as
+    ``multiprocessing.forkserver``); what :func:`run` lets out is printed, status 1."""
     code = 1
     try:
         code = run(task)
@@ -285,9 +262,8 @@ def run_and_exit(task: ForkTask) -> NoReturn:
 
 
 def exit_now(code: int) -> NoReturn:
-    """Note [Fast exit]: exit as the interpreter would, minus tearing down thousands of preloaded
-    modules (1.5 s more than a plain kernel's exit, which a restart waits for). What a program can
-    observe still happens in order: threads joined, ``atexit``, stdio flushed."""
+    """Note [Fast exit]: exit as the interpreter would (threads joined, ``atexit``, stdio
+    flushed), minus tearing down the preloaded modules. More in docs/notes.md."""
     threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):

@@ -1,9 +1,6 @@
-"""Jupyter server extension: the REST API behind the JupyterLab sidebar.
-
-Routes under ``<base_url>/overmind-lab/api/v1/`` (``handlers``) talk to the daemon through
-:class:`overmind_lab.Client`. Enabled by
-``jupyter-config/jupyter_server_config.d/overmind_lab.json`` or ``jupyter server extension
-enable overmind_lab._jupyter_server``. Importing it is cheap (no tornado, no torch): the handlers are imported only when a server loads the extension.
+"""Jupyter server extension: the REST API behind the JupyterLab sidebar (``handlers``, talking
+to the daemon through :class:`overmind_lab.Client`). Importing it is cheap: the handlers (and
+tornado) are imported only when a server loads the extension.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
-"""REST handlers of the overmind-lab Jupyter server extension, under
-``<base_url>/overmind-lab/api/v1/``, behind Jupyter's authentication (403 without a token). JSON in
-and out; an error is ``{"message": ..., "kind": ...}``.
-
-``GET status`` (with system memory), ``GET entries`` (most recently used first), ``GET
-entries/<key>``, ``POST entries/<key>/evict`` and ``evict-all`` (``{"evicted": [keys]}``), ``POST
-entries/<key>/refresh`` (202, ``{"entry": ...}``), ``POST daemon/start``, ``GET zygotes`` (pid,
-preloaded modules, RSS/PSS, forks), ``POST zygotes/restart`` (``{"restarted": [pids]}``). ``<key>``
-resolves as the daemon does (``match_keys``).
-
-The sidebar's polls (the ``GET`` routes) are not user activity (``_track_activity = False``), so an
-open sidebar does not keep an idle server from being culled. Daemon calls are short blocking socket
-calls, run on a thread pool of the extension's own, never the event loop.
+"""REST handlers of the Jupyter server extension, under ``<base_url>/overmind-lab/api/v1/``,
+behind Jupyter's authentication. JSON in and out; an error is ``{"message": ..., "kind": ...}``.
+The sidebar's ``GET`` polls are not user activity (``_track_activity = False``), so an open
+sidebar keeps no idle server from being culled; daemon calls run on the extension's own thread
+pool, never the event loop.
 """
 
 from __future__ import annotations
@@ -45,7 +37,6 @@ T = TypeVar("T")
 
 class OvermindLab(Configurable):
     """Settings of the overmind-lab server extension (``c.OvermindLab.<name>``)."""
-
     socket_path = Unicode(
         None,
         allow_none=True,

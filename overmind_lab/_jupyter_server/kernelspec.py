@@ -1,12 +1,9 @@
 """``overmind-lab kernel install|status|uninstall|restart-zygote``.
 
-``install`` writes a kernelspec whose metadata selects the ``overmind-lab-warm`` provisioner
-(Jupyter) and whose argv, ``python -m overmind_lab._launcher -f {connection_file}`` with this
-interpreter, is warm too where a frontend runs it itself without provisioners (VS Code:
-``_launcher``). ``status`` and ``restart-zygote`` talk to the zygotes in the zygote directory that
-this Python environment made (Note [Environments share an interpreter] in
-``_common/zygote_paths.py``): two environments whose sockets share a directory never list or replace
-each other's.
+``install`` writes a kernelspec that selects the ``overmind-lab-warm`` provisioner, with an argv
+(``python -m overmind_lab._launcher -f {connection_file}``) that is warm where a frontend runs it
+itself. ``status`` and ``restart-zygote`` see only this Python environment's zygotes (Note
+[Environments share an interpreter]).
 """
 
 from __future__ import annotations

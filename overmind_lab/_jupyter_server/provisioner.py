@@ -1,14 +1,12 @@
 """The ``overmind-lab-warm`` kernel provisioner: kernels forked from a zygote.
 
-jupyter_client's ``LocalProvisioner`` (``pre_launch`` picks the ports and writes the connection
-file) with another way to start and follow the kernel: ``launch_kernel`` asks the zygote of this
-interpreter and environment to fork it, passing command, env, cwd, stdout/stderr and the server's
-process attributes (Note [Inherited process attributes]); ``poll``, ``wait`` and the signals go
-through a pidfd, never a reused pid; ``cleanup`` closes it.
+jupyter_client's ``LocalProvisioner`` whose ``launch_kernel`` asks the zygote to fork the kernel
+(command, env, cwd, stdio, the server's process attributes); ``poll``, ``wait`` and the signals go
+through a pidfd, never a reused pid.
 
-Note [Never worse than plain]: any failure of the warm path (no zygote yet, a stale one, a refusal,
-not Linux) launches a plain kernel with ``LocalProvisioner.launch_kernel`` and logs one line why;
-when no zygote runs, one is started in the background for the next launch.
+Note [Never worse than plain]: any failure of the warm path launches a plain kernel
+(``LocalProvisioner.launch_kernel``) and logs one line why; when no zygote runs, one is started
+in the background for the next launch. More in docs/notes.md.
 """
 
 from __future__ import annotations
@@ -66,7 +64,6 @@ def _observe() -> dict[str, Any]:
 
 class WarmProvisioner(LocalProvisioner):
     """A ``LocalProvisioner`` whose kernels are forked from an overmind-lab zygote."""
-
     warm: WarmKernel | None = None
 
     @property

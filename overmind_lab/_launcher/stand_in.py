@@ -1,18 +1,11 @@
 """``python -m overmind_lab._launcher -f CONNECTION_FILE``: the warm kernelspec's argv.
 
-The provisioner turns this command back into ``python -m ipykernel_launcher ...``
-(``zygote_client.kernel_argv``). Frontends that run a kernelspec's argv as it stands (VS Code,
-scripts) run this process, the kernel's stand-in, which:
+Where a frontend runs that argv itself (VS Code, scripts), this process stands in for the
+kernel: it asks the zygote to fork ``ipykernel_launcher`` with its argv, env, cwd and stdio,
+forwards SIGINT and SIGTERM, and exits with the kernel's status (killed, the kernel follows:
+Note [Parent death]). With no zygote it ``exec``s a plain ``ipykernel_launcher``, saying why.
 
-- asks the zygote to fork ``ipykernel_launcher`` with its own argv, env, cwd and stdio, and
-  stays as the process the frontend watches and signals;
-- forwards SIGINT and SIGTERM to the kernel, and exits with its status (or signal);
-- if killed, even by SIGKILL, the kernel exits within a second (Note [Parent death]);
-- if no zygote can serve, ``exec``\\s a plain ``python -m ipykernel_launcher`` with the same
-  arguments, saying why on stderr (none running starts one for the next launch).
-
-Note [Launcher in a forked kernel]: a forked kernel runs ``ipykernel_launcher`` directly; if one
-ever runs this module (a provisioner passed the command unchanged), it runs ``ipykernel_launcher``
+Note [Launcher in a forked kernel]: run inside a forked kernel, it runs ``ipykernel_launcher``
 in place rather than ask the zygote again.
 """
 

@@ -1,19 +1,15 @@
 """The zygote: a process that imported the heavy libraries once and forks kernels.
 
-``python -m overmind_lab._zygote --socket PATH --owner PID`` (started detached on first use) listens
-in the per-user 0700 directory, serves only its uid (``SO_PEERCRED``) and answers ``fork`` (argv,
-env, cwd, stdio fds: the child's pid and pidfd, then its exit status on the same connection),
-``status`` and ``replace``. Single-threaded: one ``poll`` loop over the socket, connections and
-pidfds; never tensor work, thread pools, CUDA or zmq (:func:`fork_refusal`).
+It serves only its uid (``SO_PEERCRED``) and answers ``fork``, ``status`` and ``replace`` in one
+single-threaded ``poll`` loop; never tensor work, thread pools, CUDA or zmq (:func:`fork_refusal`).
 
-Note [Owners]: a zygote lives while an *owner* (a Jupyter server or launcher that asked it for
-kernels) or one of its kernels lives, then for the idle time (Note [Idle zygote]), so nbconvert in a
-loop is warm from its second run. Owners are watched by pidfd; a SIGKILLed server's kernels exit on
-their own (Note [Parent death] in ``_forked/become.py``).
+Note [Owners]: a zygote lives while an *owner* (a server or launcher that asked it for kernels,
+watched by pidfd) or one of its kernels lives, then for the idle time (Note [Idle zygote]).
+More in docs/notes.md.
 
-Note [Replacing a zygote]: a new zygote binds a temporary name, imports, then renames its socket
-over the public name, so the old one serves until it is ready; the old one sees its inode gone,
-stops accepting and exits once its children are reaped. A boot lock: one import per identity.
+Note [Replacing a zygote]: a new zygote imports under a temporary name, then renames its socket
+over the public one, so the old one serves until then and exits once its children are reaped; a
+boot lock allows one import per identity.
 """
 
 from __future__ import annotations
@@ -113,17 +109,9 @@ def _threads() -> int:
 def _stop_library_threads() -> None:
     """Stop threads that a preloaded module started and would restart on its own.
 
-    Note [Library state across the fork] ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~ Besides BLAS pools
-    (Note [BLAS threads]), state a fork would share or break:
-
-    - tqdm's monitor thread starts with the first bar (one made at import): stopped here, or
-      the zygote could never fork; a kernel starts its own.
-    - tqdm's write lock (``TqdmDefaultWriteLock.mp_lock``) is a semaphore every fork would
-      share: the child drops it (``child._fresh_library_state``), tqdm makes a new one.
-    - HF ``tokenizers`` disables its pool in a fork of a parent that used it; the zygote never
-      encodes, so the kernel's pool follows its own ``TOKENIZERS_PARALLELISM`` (``TOKENIZERS_*``
-      is part of the zygote's identity too).
-    """
+    Note [Library state across the fork]: besides BLAS pools (Note [BLAS threads]): tqdm's
+    monitor thread (stopped here, or no fork is allowed) and its write lock (dropped in the
+    child); tokenizers' pool (the zygote never encodes). More in docs/notes.md."""
     from overmind_lab._forked.become import tqdm_classes
 
     for cls in tqdm_classes():
@@ -268,10 +256,8 @@ def boot(paths: ZygotePaths, owners: list[int]) -> _State | None:
         before = dict(os.environ)
         start_env: dict[str, str] = {}
         preloaded, failed = _do_preload(paths, start_env)
-        # Note [Environment set at import]: a module may set a variable when imported (debugpy,
-        # threadpoolctl); a warm kernel never imports it again and gets the server's env. Those set
-        # by KERNEL_START_PACKAGES (imported by every kernel) the child sets again at start; the
-        # others stay unset, and ``status`` lists them.
+        # Note [Environment set at import]: variables a module set when imported; the child sets
+        # those of KERNEL_START_PACKAGES again, ``status`` lists the rest. More in docs/notes.md.
         import_env = {k: v for k, v in os.environ.items() if k not in before and k not in start_env}
         _stop_library_threads()
         out, _ = probe.communicate(timeout=120)

@@ -1,12 +1,8 @@
-"""What a zygote imports, what kernels may learn into it, and how it notices staleness.
-
-The preload set: :data:`DEFAULT_PRELOAD`, the modules defining the cached entries' classes
-(importing ``transformers.models.llama.modeling_llama`` is most of a warm Llama load), and the
-*learned* modules earlier warm kernels of the same identity had imported.
+"""What a zygote imports (:data:`DEFAULT_PRELOAD`, the cached entries' classes' modules, the
+learned modules), and how it notices staleness.
 
 Note [Third-party only]: only modules whose file lies in the standard library or site-packages
-are preloaded; the user's code (the notebook's folder, own paths, editable installs) must come
-fresh from disk in every kernel.
+are preloaded; the user's code must come fresh from disk in every kernel. More in docs/notes.md.
 """
 
 from __future__ import annotations
