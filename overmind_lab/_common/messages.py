@@ -9,17 +9,14 @@ from __future__ import annotations
 from typing import Literal, TypedDict, get_args
 
 __all__ = [
-    "Op", "OPS", "JsonObject",
-    "OpRequest", "StatusRequest", "KeyRequest", "LookupRequest", "ReserveRequest",
-    "SourceRecord", "LinkRequest", "SegmentSpec", "ReplaySpec", "StoreRequest",
-    "ReportRequest", "Request",
-    "OkReply", "ErrorReply", "Status", "StatusReply", "WireSegment", "WireEntry",
-    "HitReply", "LeaseReply", "WaitReply", "LookupReply", "NewSegment", "ReserveReply",
+    "Op", "OPS", "JsonObject", "OpRequest", "StatusRequest", "KeyRequest", "LookupRequest",
+    "ReserveRequest", "SourceRecord", "LinkRequest", "SegmentSpec", "ReplaySpec", "StoreRequest",
+    "ReportRequest", "Request", "OkReply", "ErrorReply", "Status", "StatusReply", "WireSegment",
+    "WireEntry", "HitReply", "LeaseReply", "WaitReply", "LookupReply", "NewSegment", "ReserveReply",
     "LinkReply", "StoreReply", "RefreshState", "EntryJson", "ListReply", "EvictReply",
-    "RefreshReply", "StopReply", "Reply",
-    "RefreshJob", "RefreshResult",
-    "ZygoteOp", "ZYGOTE_OPS", "ForkRequest", "ZygoteOpRequest", "ZygoteRequest", "ForkReply",
-    "ZygoteRefusal", "ExitReport", "ZygoteStatus", "ReplaceReply", "ZygoteReply",
+    "RefreshReply", "StopReply", "Reply", "RefreshJob", "RefreshResult", "ZygoteOp", "ZYGOTE_OPS",
+    "ForkRequest", "ZygoteOpRequest", "ZygoteRequest", "ForkReply", "ZygoteRefusal", "ExitReport",
+    "ZygoteStatus", "ReplaceReply", "ZygoteReply",
 ]
 
 #: The daemon's operations, as the ``"op"`` of a request.
