@@ -77,6 +77,15 @@ test-js: install
 test-python: install ui-deps
 	OVERMIND_LAB_REQUIRE_UI=1 $(PY) -m pytest
 
+# The development loop, about 3 minutes on 2 cores: every test not marked `slow` (the
+# marker is registered in pyproject.toml): the unit tests and a few real-process smoke
+# tests (a cold and a warm load through a real daemon in fresh processes, a daemon killed
+# under a load, a warm kernel forked from a zygote). No lint, Jest or browser. `make test`
+# runs everything, as CI does.
+.PHONY: test-fast
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
 # The README's pictures, in docs/images/, regenerated together: bench.svg (images-bench,
 # above) and sidebar.png: the sidebar with a cached entry and the warm-kernel zygote, as the
 # browser test (a real Lab, daemon, kernels and zygote) screenshots it in the light theme

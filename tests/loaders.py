@@ -8,16 +8,28 @@ from typing import Any
 
 import torch
 
+#: A file that ``counted_load`` waits for, after its mark, while this variable names one
+#: that does not exist (at most 10 minutes): a process held inside the call until the test
+#: says so. The environment is not part of the key: a held call and a quick one share it.
+LOAD_GATE_ENV = "OVERMIND_LAB_TEST_LOAD_GATE"
+
 
 def counted_load(delay: float, counter: str) -> dict[str, Any]:
-    """Append one mark to ``counter`` per real call, wait ``delay`` seconds, return data.
+    """Append one mark to ``counter`` per real call, wait ``delay`` seconds (and for
+    ``$OVERMIND_LAB_TEST_LOAD_GATE``), return data.
 
     ``delay`` comes first: the first positional argument of a loader is its source, and
     the counter file (which changes on every call) must not be one.
     """
+    import os
+
     with open(counter, "a") as f:
         f.write("x")
     time.sleep(delay)
+    gate = os.environ.get(LOAD_GATE_ENV)
+    deadline = time.monotonic() + 600
+    while gate and not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.01)
     return {"w": torch.ones(3, 4096)}
 
 
@@ -89,18 +101,24 @@ def failing_load(path: str, option: object = None) -> torch.Tensor:
     raise ValueError(f"cannot load {path}")
 
 
-#: Seconds that pickling a ``SlowToPickle`` sleeps: read when it is pickled, so that a
-#: test can hold a store open without changing the load's key.
-PICKLE_DELAY_ENV = "OVERMIND_LAB_TEST_PICKLE_DELAY"
+#: A file that pickling a ``SlowToPickle`` waits for while this variable names one that
+#: does not exist: read when it is pickled, so that a test can hold a store open until it
+#: creates the file (an event it controls, not a sleep that a loaded machine can outlast),
+#: without changing the load's key.
+PICKLE_GATE_ENV = "OVERMIND_LAB_TEST_PICKLE_GATE"
 
 
 class SlowToPickle:
-    """Takes ``$OVERMIND_LAB_TEST_PICKLE_DELAY`` seconds to pickle (a store in progress)."""
+    """Pickles once ``$OVERMIND_LAB_TEST_PICKLE_GATE`` exists (a store in progress until
+    then; at most 10 minutes, so that a failed test leaves no store behind for long)."""
 
     def __getstate__(self) -> dict[str, Any]:
         import os
 
-        time.sleep(float(os.environ.get(PICKLE_DELAY_ENV, "0")))
+        gate = os.environ.get(PICKLE_GATE_ENV)
+        deadline = time.monotonic() + 600
+        while gate and not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.01)
         return {}
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -17,7 +17,7 @@ import overmind_lab
 from overmind_lab import Client, OvermindWarning
 from overmind_lab._loading import background
 from tests.conftest import last_json, run_py
-from tests.loaders import PICKLE_DELAY_ENV, counting_module, unpicklable_module
+from tests.loaders import PICKLE_GATE_ENV, counting_module, unpicklable_module
 
 HERE = str(Path(__file__).resolve().parent.parent)
 
@@ -36,7 +36,7 @@ def always(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         overmind_lab.wait_for_stores(timeout=60)
 
 
-def own_session(pid: int, timeout: float = 30) -> bool:
+def own_session(pid: int, timeout: float = 120) -> bool:
     """Whether ``pid`` leads a session of its own (its first act after the fork)."""
     deadline = time.monotonic() + timeout
     while os.getsid(pid) != pid and time.monotonic() < deadline:
@@ -74,8 +74,9 @@ def test_which_results_are_stored_in_the_background(monkeypatch: pytest.MonkeyPa
 
 
 def test_a_change_right_after_the_load_does_not_reach_the_cache(
-        daemon: Client, always: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(PICKLE_DELAY_ENV, "2")
+        daemon: Client, always: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    gate = tmp_path / "gate"  # the store pickles once it exists
+    monkeypatch.setenv(PICKLE_GATE_ENV, str(gate))
     with overmind_lab.record_loads() as events:
         model = overmind_lab.load(counting_module, 4096)
     assert events[-1].outcome == "cold" and overmind_lab.key_of(model) == events[-1].key
@@ -85,11 +86,11 @@ def test_a_change_right_after_the_load_does_not_reach_the_cache(
     assert daemon.entries() == []  # the load returned while the child is still pickling
     with torch.no_grad():
         model.weight.fill_(7.0)  # e.g. load_state_dict, right after the load
-    [done] = overmind_lab.wait_for_stores(timeout=60)
+    gate.touch()
+    [done] = overmind_lab.wait_for_stores(timeout=120)
     assert done is store and done.error is None
     [entry] = daemon.entries()
     assert entry["key"] == events[-1].key
-    monkeypatch.setenv(PICKLE_DELAY_ENV, "0")
     with overmind_lab.record_loads() as events:
         again = overmind_lab.load(counting_module, 4096)
     assert events[-1].outcome == "warm"
@@ -98,8 +99,8 @@ def test_a_change_right_after_the_load_does_not_reach_the_cache(
 
 
 def test_a_killed_store_leaves_nothing_and_the_next_load_is_cold(
-        daemon: Client, always: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(PICKLE_DELAY_ENV, "60")
+        daemon: Client, always: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv(PICKLE_GATE_ENV, str(tmp_path / "gate"))  # never opened: killed first
     overmind_lab.load(counting_module, 2048)
     [store] = background.pending_stores()
     with pytest.warns(OvermindWarning, match=r"could not be cached: .*\(signal 9\)"):
@@ -107,7 +108,7 @@ def test_a_killed_store_leaves_nothing_and_the_next_load_is_cold(
         [done] = overmind_lab.wait_for_stores(timeout=60)
     assert done.error is not None and not done.not_cacheable
     assert daemon.entries() == []
-    monkeypatch.setenv(PICKLE_DELAY_ENV, "0")
+    monkeypatch.delenv(PICKLE_GATE_ENV)
     monkeypatch.setenv(background.BACKGROUND_ENV, "never")
     with overmind_lab.record_loads() as events:  # the key was released: no wait
         overmind_lab.load(counting_module, 2048)
@@ -127,7 +128,8 @@ def test_a_store_that_fails_in_the_background_warns_and_caches_nothing(
 
 
 def test_a_script_that_ends_right_after_a_load_leaves_it_stored(
-        daemon: Client, always: None) -> None:
+        daemon: Client, always: None, tmp_path: Path) -> None:
+    gate = tmp_path / "gate"  # its store pickles once this exists
     proc = run_py(f"""
         import json, sys, overmind_lab
         sys.path.insert(0, {HERE!r})
@@ -135,12 +137,13 @@ def test_a_script_that_ends_right_after_a_load_leaves_it_stored(
         with overmind_lab.record_loads() as events:
             model = overmind_lab.load(counting_module, 8192)
         print(json.dumps({{"outcome": events[-1].outcome, "sum": float(model.weight.detach().sum())}}))
-    """, env={PICKLE_DELAY_ENV: "2"})
+    """, env={PICKLE_GATE_ENV: str(gate)})
     # The script's output pipes closed when it exited: the storing child does not hold
     # them (run_py would have waited for it), and it goes on after its parent is gone.
     assert last_json(proc) == {"outcome": "cold", "sum": float(sum(range(8192)))}
     assert daemon.entries() == []
-    [entry] = wait_for_entries(daemon, 1)
+    gate.touch()
+    [entry] = wait_for_entries(daemon, 1, timeout=120)
     assert entry["hits"] == 0
     with overmind_lab.record_loads() as events:
         warm = overmind_lab.load(counting_module, 8192)

@@ -82,6 +82,7 @@ def test_targets_are_evaluated() -> None:
     assert targets["pss"]["value"] is None and targets["pss"]["passed"] is None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_quick_bench_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "out"
@@ -193,6 +194,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_a_terminated_bench_stops_its_processes_and_writes_what_it_has(tmp_path: Path) -> None:
     out = tmp_path / "out"
     env = dict(os.environ, OVERMIND_LAB_SOCKET=str(tmp_path / "user-run" / "daemon.sock"))
@@ -240,6 +242,7 @@ def _marked(marker: str) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_quick_warm_kernel_case_through_a_jupyter_server(tmp_path: Path) -> None:
     out = tmp_path / "out"

@@ -29,6 +29,8 @@ from overmind_lab import Client
 from overmind_lab._errors import NotCacheable
 from overmind_lab._loading import user_code
 
+pytestmark = pytest.mark.slow  # minutes in all: `make test`, not `make test-fast`
+
 # -- in-process: the decision and the digests ---------------------------------------------
 
 

@@ -18,6 +18,8 @@ import pytest
 import overmind_lab
 from overmind_lab import Client
 
+pytestmark = pytest.mark.slow  # minutes in all: `make test`, not `make test-fast`
+
 REPO = Path(overmind_lab.__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "controlnet_vae_reuse.py"
 

@@ -10,8 +10,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from overmind_lab import Client
 from tests import corpus
+
+pytestmark = pytest.mark.slow  # minutes in all: `make test`, not `make test-fast`
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Cases whose load draws random numbers: never cached, still equal to a plain load.

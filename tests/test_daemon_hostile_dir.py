@@ -22,6 +22,8 @@ import pytest
 from overmind_lab import Client, DaemonUnavailable
 from tests.test_disk_cache import cache_dir, log_text, segment_files, sized_child, wait_saved
 
+pytestmark = pytest.mark.slow  # minutes in all: `make test`, not `make test-fast`
+
 NBYTES = 64 * 1024
 PLAIN_LOAD = """
 import json, sys, warnings

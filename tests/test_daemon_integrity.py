@@ -27,6 +27,8 @@ from tests.test_disk_cache import (
     wait_saved,
 )
 
+pytestmark = pytest.mark.slow  # minutes in all: `make test`, not `make test-fast`
+
 # A child that loads a safetensors file through the cache, by path (the key covers the
 # file), or by ``$OVERMIND_LAB_TEST_FILE`` (``load_named_file``: only the daemon's check of
 # the held file can tell that it changed).

@@ -22,6 +22,8 @@ import pytest
 from overmind_lab import Client
 from tests.test_disk_cache import HERE, SIZED, cache_dir, log_text, sized_child, wait_saved
 
+pytestmark = pytest.mark.slow  # minutes in all: `make test`, not `make test-fast`
+
 NBYTES = 24 << 20
 TRIALS = int(os.environ.get("OVERMIND_LAB_KILL_TRIALS", "3"))
 

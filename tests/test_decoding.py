@@ -29,7 +29,7 @@ import decoding  # noqa: E402
 MODELS = Path(os.environ.get("OVERMIND_LAB_DECODING_MODELS", REPO / ".models"))
 
 # The first test builds the models when they are missing (the fixture's time counts).
-pytestmark = pytest.mark.timeout(2400)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,8 @@ import pytest
 from benchmarks import _report
 from tests.test_decoding import MODELS, REPO, decoding
 
-pytestmark = pytest.mark.timeout(2400)  # builds the models when they are missing
+pytestmark = [pytest.mark.slow,
+              pytest.mark.timeout(2400)]  # builds the models when they are missing
 
 
 def test_bench_quick_decoding(tmp_path: Path) -> None:

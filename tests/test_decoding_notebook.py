@@ -19,7 +19,8 @@ from tests.test_decoding import MODELS, REPO, decoding
 NOTEBOOK = REPO / "examples" / "decoding" / "speculative.ipynb"
 PLOTS = ("plot-acceptance", "plot-exits", "plot-speed")
 
-pytestmark = pytest.mark.timeout(2400)  # builds the models when they are missing
+pytestmark = [pytest.mark.slow,
+              pytest.mark.timeout(2400)]  # builds the models when they are missing
 
 
 @pytest.fixture

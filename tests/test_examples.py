@@ -16,6 +16,8 @@ from nbclient import NotebookClient
 import overmind_lab
 from overmind_lab import Client
 
+pytestmark = pytest.mark.slow  # minutes in all: `make test`, not `make test-fast`
+
 REPO = Path(overmind_lab.__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 

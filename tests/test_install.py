@@ -42,7 +42,8 @@ BIN = Path(PY).parent
 #: native/portable.cpp): glibc 2.24 and libstdc++ of GCC 6, as `make dist` asks auditwheel.
 PLAT = "manylinux_2_24_x86_64"
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")]
 
 
 def run(cmd: list[str | Path], *, env: dict[str, str] | None = None, check: bool = True,

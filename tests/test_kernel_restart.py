@@ -19,6 +19,8 @@ import overmind_lab
 from overmind_lab import Client
 from tests.conftest import run_cell
 
+pytestmark = pytest.mark.slow  # minutes in all: `make test`, not `make test-fast`
+
 REPO = str(Path(overmind_lab.__file__).resolve().parents[1])
 
 COUNTING_MODEL = '''
@@ -184,16 +186,18 @@ print(json.dumps({"outcome": events[-1].outcome, "storing": [s.pid for s in pend
 
 
 def test_a_store_under_way_survives_an_interrupt_and_a_kernel_restart(
-        daemon: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+        daemon: Client, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """jupyter_client interrupts with SIGINT and restarts with SIGKILL, both sent to the
     kernel's process group: a store started by the last cell before a restart (Note
     [Storing in a forked process]) is in a session of its own, and lands."""
-    from tests.loaders import PICKLE_DELAY_ENV
+    from tests.loaders import PICKLE_GATE_ENV
 
     monkeypatch.setenv("JUPYTER_PLATFORM_DIRS", "1")
     env = dict(os.environ)
     env.update({"OVERMIND_LAB_SOCKET": str(daemon.path), "PYTHONPATH": REPO,
-                "OVERMIND_LAB_BACKGROUND_STORE": "always", PICKLE_DELAY_ENV: "4"})
+                "OVERMIND_LAB_BACKGROUND_STORE": "always"})
+    gate = tmp_path / "gate"  # the store pickles once it exists: after the restart
+    env[PICKLE_GATE_ENV] = str(gate)
     kernel = Kernel(env)
     try:
         first = json.loads(kernel.run(BACKGROUND_LOAD).splitlines()[-1])
@@ -202,8 +206,10 @@ def test_a_store_under_way_survives_an_interrupt_and_a_kernel_restart(
         kernel.km.interrupt_kernel()
         kernel.km.restart_kernel(now=True)  # SIGKILL to the kernel's process group
         kernel.kc.wait_for_ready(timeout=120)
+        gate.touch()
         second = json.loads(kernel.run(BACKGROUND_LOAD).splitlines()[-1])
     finally:
+        gate.touch()  # a failed test leaves no store waiting
         kernel.close()
     # the new kernel's load waited for the store on the key's lease, then hit
     assert second == {"outcome": "warm", "storing": [], "sum": float(sum(range(4096)))}
@@ -211,7 +217,7 @@ def test_a_store_under_way_survives_an_interrupt_and_a_kernel_restart(
     [entry] = daemon.entries()
     assert entry["hits"] == 1
     child = Path(f"/proc/{first['storing'][0]}")
-    deadline = time.monotonic() + 30  # it ends right after its store, and init reaps it
+    deadline = time.monotonic() + 120  # it ends right after its store, and init reaps it
     while child.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not child.exists()

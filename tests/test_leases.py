@@ -35,7 +35,7 @@ def test_a_waiter_wakes_when_the_lease_is_released_and_times_out_before() -> Non
         busy = leases.acquire("k", b)
         assert busy is not None
         early = await busy.released(0.01)
-        waiting = asyncio.ensure_future(busy.released(5.0))
+        waiting = asyncio.ensure_future(busy.released(60.0))
         await asyncio.sleep(0)
         leases.release("k")
         return [early, await waiting, leases.holds(a, "k")]
@@ -54,7 +54,7 @@ def test_the_clean_up_runs_before_the_waiters_wake() -> None:
         assert busy is not None
 
         async def wait() -> None:
-            await busy.released(5.0)
+            await busy.released(60.0)
             events.append("woke")
 
         waiter = asyncio.ensure_future(wait())
@@ -92,7 +92,7 @@ def test_when_the_holder_goes_one_waiter_takes_over_and_the_others_wait_for_it()
                     loading.discard(conn.name)
                     leases.release_all(conn)
                     return
-                await busy.released(5.0)
+                await busy.released(60.0)
 
         waiters = [asyncio.ensure_future(lookup(Conn(f"w{i}"))) for i in range(3)]
         await asyncio.sleep(0.01)

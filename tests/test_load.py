@@ -16,6 +16,7 @@ import torch
 import overmind_lab
 from overmind_lab import Client, OvermindWarning
 from tests.conftest import last_json, run_py, save_tiny_unet
+from tests.loaders import LOAD_GATE_ENV
 
 # A child that loads the tiny UNet through the cache and describes what it got.
 LOAD_UNET = """
@@ -49,6 +50,7 @@ def plain_digest(path: Path) -> str:
     return str(last_json(proc))
 
 
+@pytest.mark.slow
 def test_stored_by_one_process_loaded_bit_equal_by_another_without_copy(
         daemon: Client, tiny_unet_dir: Path) -> None:
     first = last_json(run_py(LOAD_UNET.format(path=str(tiny_unet_dir))))
@@ -65,6 +67,7 @@ def test_stored_by_one_process_loaded_bit_equal_by_another_without_copy(
     assert entry["name"] == f"UNet2DConditionModel.from_pretrained({str(tiny_unet_dir)!r})"
 
 
+@pytest.mark.slow
 def test_in_place_write_is_invisible_to_other_processes(daemon: Client,
                                                         tiny_unet_dir: Path) -> None:
     writer = run_py(f"""
@@ -124,6 +127,7 @@ def test_lambdas_go_through_dill(daemon: Client) -> None:
     assert again["f"](1) == 2 and torch.equal(again["t"], torch.arange(4))  # type: ignore[index]
 
 
+@pytest.mark.slow
 def test_resaved_model_directory_is_loaded_fresh(daemon: Client, tmp_path: Path) -> None:
     path = save_tiny_unet(tmp_path / "unet", seed=1)
     first = last_json(run_py(LOAD_UNET.format(path=str(path))))
@@ -146,6 +150,7 @@ print(json.dumps({{"outcome": events[-1].outcome, "sum": float(value["w"].sum())
 """
 
 
+@pytest.mark.slow
 def test_four_processes_asking_at_once_call_the_original_once(daemon: Client,
                                                               tmp_path: Path) -> None:
     counter = tmp_path / "calls"
@@ -161,24 +166,51 @@ def test_four_processes_asking_at_once_call_the_original_once(daemon: Client,
     assert counter.read_text() == "x"
 
 
+#: Prepended to a child's code: prints "waiting" once the daemon answers its lookup with
+#: ``{wait: true}`` (another process holds the key's lease), so that a test acts on that
+#: event instead of sleeping.
+ANNOUNCE_WAIT = """
+import overmind_lab._loading.client as _client
+_recv = _client._recv
+def _announcing_recv(chan):
+    reply, fds = _recv(chan)
+    if reply.get("wait"):
+        print("waiting", flush=True)
+    return reply, fds
+_client._recv = _announcing_recv
+"""
+
+
 def test_waiter_takes_over_when_the_loader_is_killed(daemon: Client, tmp_path: Path) -> None:
     counter = tmp_path / "calls"
     here = str(Path(__file__).resolve().parent.parent)
-    slow = textwrap.dedent(COUNTED_LOADER.format(here=here, counter=str(counter), delay=60.0))
-    loader = subprocess.Popen([sys.executable, "-c", slow], cwd="/",
+    # the same call (the same key) in both: the loader is held inside it by a gate that
+    # never opens, and holds the lease until the test kills it
+    code = textwrap.dedent(COUNTED_LOADER.format(here=here, counter=str(counter), delay=0.0))
+    loader = subprocess.Popen([sys.executable, "-c", code], cwd="/",
+                              env={**os.environ, LOAD_GATE_ENV: str(tmp_path / "never")},
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while not counter.exists():  # the loader is inside the original function
-        assert time.monotonic() < deadline and loader.poll() is None
-        time.sleep(0.05)
-    fast = textwrap.dedent(COUNTED_LOADER.format(here=here, counter=str(counter), delay=0.0))
-    waiter = subprocess.Popen([sys.executable, "-c", fast], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, cwd="/")
-    time.sleep(1.0)
-    assert waiter.poll() is None  # waiting on the loader's lease
-    loader.send_signal(signal.SIGKILL)
-    loader.wait()
-    out, err = waiter.communicate(timeout=120)
+    waiter = None
+    try:
+        deadline = time.monotonic() + 120
+        while not counter.exists():  # the loader is inside the original function
+            assert time.monotonic() < deadline and loader.poll() is None
+            time.sleep(0.05)
+        waiter = subprocess.Popen([sys.executable, "-c", ANNOUNCE_WAIT + code],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  cwd="/")
+        assert waiter.stdout is not None
+        # the daemon told it to wait on the loader's lease (an event, not a sleep)
+        assert waiter.stdout.readline().strip() == "waiting", waiter.communicate(timeout=120)
+        assert loader.poll() is None  # still inside its load
+        loader.send_signal(signal.SIGKILL)
+        loader.wait()
+        out, err = waiter.communicate(timeout=120)
+    finally:
+        for proc in (loader, waiter):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.communicate()
     assert waiter.returncode == 0, err
     assert last_json(subprocess.CompletedProcess([], 0, out, err))["outcome"] == "cold"
     assert counter.read_text() == "xx"
@@ -221,12 +253,13 @@ def test_evicting_a_held_entry_leaves_the_holder_working(daemon: Client,
     assert daemon.entries() == []
     assert daemon.status()["evicted_mapped_bytes"] >= 4096 * 4
     assert finish_holder(holder) == 4096.0 * 3
-    deadline = time.monotonic() + 10  # the daemon rescans mappings at most once a second
+    deadline = time.monotonic() + 120  # the daemon rescans mappings at most once a second
     while daemon.status()["evicted_mapped_bytes"] and time.monotonic() < deadline:
         time.sleep(0.2)
     assert daemon.status()["evicted_mapped_bytes"] == 0
 
 
+@pytest.mark.slow
 def test_killing_the_storer_or_a_holder_loses_nothing(daemon: Client, tmp_path: Path) -> None:
     here = str(Path(__file__).resolve().parent.parent)
     counter = tmp_path / "calls"
@@ -245,8 +278,9 @@ def test_killing_the_daemon_leaves_holders_working_and_saved_entries_warm(
     here = str(Path(__file__).resolve().parent.parent)
     counter = tmp_path / "calls"
     holder = start_holder(here, counter)
-    deadline = time.monotonic() + 30  # the entry's file is finished and the index saved
-    while daemon.status()["unsaved"] and time.monotonic() < deadline:
+    deadline = time.monotonic() + 120  # the entry's file is finished and the index saved
+    while daemon.status()["unsaved"]:
+        assert time.monotonic() < deadline, daemon.status()
         time.sleep(0.05)
     os.kill(daemon.status()["pid"], signal.SIGKILL)
     assert finish_holder(holder) == 4096.0 * 3

@@ -13,6 +13,8 @@ import overmind_lab
 from overmind_lab import Client
 from tests.conftest import last_json, run_py
 
+pytestmark = pytest.mark.slow  # minutes in all: `make test`, not `make test-fast`
+
 REPO = str(Path(overmind_lab.__file__).resolve().parents[1])
 CHILD_ENV = {"PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 

@@ -138,6 +138,7 @@ print(json.dumps({"names": patched_names()}))
 """
 
 
+@pytest.mark.slow
 def test_patching_before_import_patches_modules_as_they_load() -> None:
     before = last_json(run_py(PATCH_BEFORE_IMPORT, env=CHILD_ENV))
     after = last_json(run_py(PATCH_AFTER_IMPORT, env=CHILD_ENV))
@@ -267,6 +268,7 @@ print(json.dumps({{"outcomes": [e.outcome for e in events], "class": type(pipe).
 """
 
 
+@pytest.mark.slow
 def test_a_custom_pipeline_from_a_local_directory_loads_warm_in_a_new_process(
         daemon: Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf-modules"))

@@ -37,7 +37,7 @@ def open_fds() -> set[int]:
 def pair() -> Iterator[tuple[socket.socket, Channel]]:
     """A raw writing end and a Channel reading the other end."""
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    chan = Channel(b, timeout=5.0)
+    chan = Channel(b, timeout=60.0)
     yield a, chan
     a.close()
     chan.close()
@@ -85,7 +85,7 @@ def test_descriptors_arriving_with_the_first_byte(pair: tuple[socket.socket, Cha
 
 def test_channel_send_attaches_descriptors(pair: tuple[socket.socket, Channel]) -> None:
     raw, chan = pair
-    reader = Channel(raw, timeout=5.0)
+    reader = Channel(raw, timeout=60.0)
     fd = memfd("c")
     try:
         chan.send({"op": "store"}, [fd])

@@ -183,6 +183,7 @@ async def test_entries_with_the_daemon_down_are_empty(sock_path: Path, jp_fetch:
     assert Client(sock_path).status()["running"] is False
 
 
+@pytest.mark.slow
 async def test_entries_list_what_the_daemon_holds_with_timings(
         daemon: Client, cached_unet: str, unet_dir: Path, jp_fetch: Fetch) -> None:
     listed = (await get_json(jp_fetch, "entries"))["entries"]
@@ -218,15 +219,27 @@ async def test_many_entries_are_listed_in_one_call(daemon: Client, jp_fetch: Fet
         for i in range(100):
             overmind_lab.load(sized_load, 4096, f"entry-{i}")
     """, env={"PYTHONPATH": str(Path(__file__).parents[1])})
-    started = time.perf_counter()
+    daemon_pid = int(daemon.status()["pid"])
+    started = _cpu_seconds(daemon_pid) + time.process_time()
     listed = (await get_json(jp_fetch, "entries"))["entries"]
-    seconds = time.perf_counter() - started
+    seconds = _cpu_seconds(daemon_pid) + time.process_time() - started
     assert len(listed) == 100
-    # The 50 ms target is measured by the benchmark; this only catches per-entry work.
-    assert seconds < 2.0, f"GET entries took {seconds:.3f} s for 100 entries"
+    # The 50 ms target is measured by the benchmark; this only catches per-entry work. CPU
+    # seconds (the daemon's and this process's, where the server runs), not wall-clock
+    # ones: a loaded machine stretches the latter, not the former.
+    assert seconds < 2.0, f"GET entries took {seconds:.3f} CPU s for 100 entries"
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User and system CPU time of process ``pid`` so far."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # -- evict -------------------------------------------------------------------------------
+@pytest.mark.slow
 async def test_evict_removes_the_entry_from_the_daemon(
         daemon: Client, cached_unet: str, jp_fetch: Fetch) -> None:
     code, body = await post_json(jp_fetch, "entries", cached_unet, "evict")
@@ -268,6 +281,7 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 120.0) -> Any:
     raise AssertionError("timed out waiting for the daemon")
 
 
+@pytest.mark.slow
 async def test_refresh_of_a_changed_directory_gives_a_new_entry(
         daemon: Client, cached_unet: str, unet_dir: Path, jp_fetch: Fetch) -> None:
     save_tiny_unet(unet_dir, seed=7)  # the model on disk changes

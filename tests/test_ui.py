@@ -40,6 +40,8 @@ from overmind_lab._jupyter_server import kernelspec as spec
 from tests.conftest import save_tiny_unet
 from tests.test_warm_kernel import _kill_ours
 
+pytestmark = pytest.mark.slow  # minutes in all: `make test`, not `make test-fast`
+
 REPO = Path(__file__).resolve().parents[1]
 UI_TESTS = REPO / "ui-tests"
 LABEXTENSION = REPO / "overmind_lab" / "labextension"

@@ -32,7 +32,8 @@ from overmind_lab._jupyter_server import kernelspec as spec
 from tests.conftest import run_cell
 from tests.nobody import NOBODY, package_for_nobody, python_for_nobody
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")]
 
 PRELOAD = ("torch,numpy,threadpoolctl,IPython,ipykernel,ipykernel.kernelapp,"
            "ipykernel.ipkernel,overmind_lab")
@@ -76,7 +77,7 @@ def _kill_ours(marker: str) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 120
     while _ours(marker) and time.monotonic() < deadline:
         time.sleep(0.05)
 
@@ -213,16 +214,22 @@ def test_start_execute_interrupt_restart_shutdown(kernel: Kernel, zygote: dict[s
                        "os.getsid(0), os.getpgrp()]))")
     assert info == [kernel.pid, zygote["pid"], kernel.pid, kernel.pid]
 
-    # Interrupt a busy cell: the kernel gets KeyboardInterrupt, the zygote nothing.
-    msg_id = kernel.kc.execute("while True:\n    pass")
-    time.sleep(1.0)
+    # Interrupt a busy cell: the kernel gets KeyboardInterrupt, the zygote nothing. The
+    # interrupt goes once the cell's first line has run (its output arrived), not after a
+    # sleep that a slow kernel could outlast. stop_on_error=False: ipykernel would abort
+    # requests that arrive right after the error for a while (any kernel, plain too).
+    msg_id = kernel.kc.execute("print('looping', flush=True)\nwhile True:\n    pass",
+                               stop_on_error=False)
+    while True:
+        msg = kernel.kc.get_iopub_msg(timeout=120)
+        if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream"
+                and "looping" in msg["content"]["text"]):
+            break
     kernel.km.interrupt_kernel()
-    reply = kernel.kc.get_shell_msg(timeout=30)
+    reply = kernel.kc.get_shell_msg(timeout=120)
     assert reply["parent_header"]["msg_id"] == msg_id
     assert reply["content"]["status"] == "error"
     assert reply["content"]["ename"] == "KeyboardInterrupt"
-    # ipykernel aborts requests that arrive right after an error (any kernel, plain too)
-    time.sleep(1.0)
     assert kernel.run("print('still here')").strip() == "still here"
     assert _alive(zygote["pid"])
 
@@ -230,10 +237,10 @@ def test_start_execute_interrupt_restart_shutdown(kernel: Kernel, zygote: dict[s
     kernel.restart()
     assert kernel.warm and kernel.pid != old
     assert kernel.run("print(1 + 1)").strip() == "2"
-    _wait_for(lambda: not _alive(old), 10, "the old kernel to exit")
+    _wait_for(lambda: not _alive(old), 120, "the old kernel to exit")
     last = kernel.pid
     kernel.close()
-    _wait_for(lambda: not _alive(last), 10, "the kernel to exit at shutdown")
+    _wait_for(lambda: not _alive(last), 120, "the kernel to exit at shutdown")
     assert _alive(zygote["pid"])
 
 
@@ -362,7 +369,7 @@ def test_a_diffusers_step_tokenizers_and_tqdm_match_a_fresh_process(
         for z in spec.zygotes(warm_dir):
             if z["identity"] != zygote["identity"]:
                 os.kill(z["pid"], signal.SIGKILL)
-                _wait_for(lambda z=z: not _alive(z["pid"]), 10, "the diffusers zygote to exit")
+                _wait_for(lambda z=z: not _alive(z["pid"]), 120, "the diffusers zygote to exit")
     fresh_proc = subprocess.run([sys.executable, "-c", LIBRARY_CODE], capture_output=True,
                                 text=True, timeout=300, cwd="/", check=True,
                                 env={**LAUNCH_ENV, **env})
@@ -384,7 +391,7 @@ for _ in tqdm(range(2), mininterval=0, file=sys.stderr):
     pass
 assert tqdm.monitor is not None
 _stop_library_threads()
-deadline = time.monotonic() + 5
+deadline = time.monotonic() + 120
 while len(os.listdir("/proc/self/task")) > 1 and time.monotonic() < deadline:
     time.sleep(0.01)
 print("threads", len(os.listdir("/proc/self/task")), flush=True)
@@ -397,16 +404,19 @@ def fork(work):
         os._exit(0)
     return pid
 
+held_r, held_w = os.pipe()
+
 def hold():  # a kernel that is killed while it writes a bar
     tqdm.get_lock().acquire()
-    time.sleep(60)
+    os.write(held_w, b"x")  # the test strikes once the lock is held, not after a sleep
+    time.sleep(600)
 
 holder = fork(hold)
-time.sleep(1)
+assert os.read(held_r, 1) == b"x"
 os.kill(holder, signal.SIGKILL)
 os.waitpid(holder, 0)
 drawer = fork(lambda: [None for _ in tqdm(range(2), mininterval=0, file=sys.stderr)])
-deadline = time.monotonic() + 20
+deadline = time.monotonic() + 180
 while time.monotonic() < deadline:
     done, status = os.waitpid(drawer, os.WNOHANG)
     if done:
@@ -419,7 +429,7 @@ else:
     print("drawer blocked")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
+                         timeout=600, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
     assert out.stdout.split("\n")[:2] == ["threads 1", "drawer 0"], out.stdout + out.stderr
 
 
@@ -530,7 +540,7 @@ def test_a_touched_preloaded_module_retires_the_stale_zygote(
     finally:
         k.close()
     fresh = ready_zygote(warm_dir, not_pid=current["pid"], identity=current["identity"])
-    _wait_for(lambda: not _alive(current["pid"]), 10, "the stale zygote to exit")
+    _wait_for(lambda: not _alive(current["pid"]), 120, "the stale zygote to exit")
     k = Kernel()
     try:
         assert k.warm, k.log_text()
@@ -543,7 +553,7 @@ def test_a_killed_zygote_gives_one_plain_launch_then_warm_again(
         zygote: dict[str, Any], warm_dir: Path) -> None:
     current = ready_zygote(warm_dir, identity=zygote["identity"])
     os.kill(current["pid"], signal.SIGKILL)
-    _wait_for(lambda: not _alive(current["pid"]), 10, "the zygote to die")
+    _wait_for(lambda: not _alive(current["pid"]), 120, "the zygote to die")
     k = Kernel()
     try:
         assert not k.warm
@@ -619,10 +629,11 @@ def test_a_sigkilled_server_leaves_no_kernel_and_no_zygote(tmp_path: Path) -> No
 
             server.kill()
             server.wait(timeout=30)
-            t0 = time.monotonic()
-            _wait_for(lambda: not any(_alive(p) for p in watched), 5.0,
+            # Note [Parent death]: each kernel wakes on a pidfd of the server and exits
+            # within a second of its death when the machine is idle; the deadline is a
+            # loaded machine's (an elapsed-time bound would race with the scheduler).
+            _wait_for(lambda: not any(_alive(p) for p in watched), 120,
                       f"kernels and zygote {watched} to exit after the server's SIGKILL")
-            assert time.monotonic() - t0 <= 5.0
         finally:
             if server.poll() is None:
                 server.kill()

@@ -39,7 +39,8 @@ from overmind_lab._jupyter_server import kernelspec as spec
 from tests.conftest import run_cell
 from tests.test_warm_kernel import PRELOAD, ListHandler, _kill_ours, ready_zygote
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")]
 
 PLAIN = "olw-plain"
 SPEC_ENV = {"OVERMIND_TEST_SPEC_VAR": "from-spec"}

@@ -205,15 +205,14 @@ def test_a_sigkilled_launcher_takes_its_kernel_with_it(launched: Launched) -> No
     assert colorsys
     pidfd = os.pidfd_open(pid)
     try:
-        t0 = time.monotonic()
         launched.proc.kill()
-        launched.proc.wait(timeout=30)
-        exited = select.select([pidfd], [], [], 30)[0]
-        elapsed = time.monotonic() - t0
+        launched.proc.wait(timeout=60)
+        # Note [Parent death]: a pidfd wakes it at once (within a second on an idle
+        # machine); the deadline is a loaded machine's, not a bound on the latency
+        exited = select.select([pidfd], [], [], 120)[0]
     finally:
         os.close(pidfd)
-    assert exited, f"kernel {pid} still runs 30 s after its launcher's SIGKILL"
-    assert elapsed < 5.0, elapsed  # Note [Parent death]: a pidfd wakes it at once
+    assert exited, f"kernel {pid} still runs 120 s after its launcher's SIGKILL"
 
 
 def test_the_launcher_exits_with_the_kernels_status(launched: Launched) -> None:
@@ -247,6 +246,7 @@ NOTEBOOK = {
 }
 
 
+@pytest.mark.slow
 def test_nbconvert_execute_twice_is_warm_the_second_time(run_dir: Path) -> None:
     """Run back to back, as a loop runs them: the second run waits for the zygote the first
     one started, if it is still importing (Note [Waiting for a booting zygote]), and the

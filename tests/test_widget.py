@@ -17,7 +17,7 @@ from overmind_lab._loading.widget import OvermindPanel
 from tests import loaders
 
 
-def wait_for(condition: Callable[[], bool], timeout: float = 20.0) -> None:
+def wait_for(condition: Callable[[], bool], timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
