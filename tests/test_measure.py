@@ -58,6 +58,7 @@ def no_daemon_on(socket: str) -> None:
     assert not Path(socket).parent.exists()
 
 
+@pytest.mark.slow  # four rows of new processes, ~15 s
 def test_bench_measures_a_model_folder(tmp_path: Path) -> None:
     model = tiny_bert(tmp_path / "bert")
     user_socket = tmp_path / "user-run" / "daemon.sock"
