@@ -436,6 +436,9 @@ def _warm_kernel_markdown(wk: dict[str, Any] | None) -> list[str]:
                      f"{_s(warm.get('cell_seconds'))} | "
                      f"{_x(c.get('ratios', {}).get('cell_warm_over_plain'))} | "
                      f"{sum(forked)}/{len(forked)} |")
+    table = (wk.get("sd15") or {}).get("timeline_table")
+    if table:  # each step of a restart, plain and warm (Note [Restart timeline])
+        lines += ["", *table]
     p = wk.get("pss") or {}
     if p:
         mib = 2**20

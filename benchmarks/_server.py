@@ -21,6 +21,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -120,8 +121,11 @@ class WsKernel:
     """A kernel of a :class:`JupyterServer`, as JupyterLab drives one: REST for its
     lifecycle, the server's websocket for messages."""
 
-    def __init__(self, server: JupyterServer, kernel_name: str, timeout: float) -> None:
+    def __init__(self, server: JupyterServer, kernel_name: str, timeout: float,
+                 mark: Callable[[str], None] | None = None) -> None:
         self.server = server
+        #: Called with a step's name (``client.*``) as it happens (the restart timeline).
+        self.mark = mark or (lambda event: None)
         self.timeout = timeout
         self.session = uuid.uuid4().hex
         _, body = server.request("POST", "api/kernels", {"name": kernel_name}, timeout=timeout)
@@ -181,15 +185,20 @@ class WsKernel:
         kernel replied to its own ``kernel_info``), a new websocket, ``kernel_info``.
         Seconds from the request to the first ``kernel_info_reply`` on the websocket."""
         t0 = time.perf_counter()
+        self.mark("client.restart_request")
         self.server.request("POST", f"api/kernels/{self.id}/restart", {}, timeout=self.timeout)
+        self.mark("client.restart_reply")
         self.connect()
+        self.mark("client.ws_connected")
         self.kernel_info()
+        self.mark("client.kernel_info_reply")
         return time.perf_counter() - t0
 
     def execute(self, code: str) -> tuple[float, str]:
         """Run a cell; (seconds until its reply and idle status, its stdout). Raises on
         an error in the cell."""
         t0 = time.perf_counter()
+        self.mark("client.execute_request")
         msg_id = self._send("execute_request", {
             "code": code, "silent": False, "store_history": True, "user_expressions": {},
             "allow_stdin": False, "stop_on_error": True})
@@ -202,6 +211,7 @@ class WsKernel:
                 out.append(content.get("text", ""))
             elif kind == "execute_reply":
                 reply = content
+                self.mark("client.execute_reply")
             elif kind == "status" and content.get("execution_state") == "idle":
                 idle = True
             if reply is not None and idle:

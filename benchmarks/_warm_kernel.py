@@ -12,6 +12,12 @@ zygote directory. Kernels are driven as JupyterLab drives them: ``POST api/kerne
 - ``cell_seconds``: the model's load cell right after the restart, imports included,
   with ``%overmind_load`` and a warm cache: the SD 1.5 pipeline (fp16) and a Llama-style
   1.1B causal LM (bf16, random weights: the ``llama`` model of ``_more_models.py``);
+- ``timeline``: per restart, every step's offset from the restart request (Note [Restart
+  timeline]): the client's (``client.*``), jupyter_client's in the server (``server.*``, hooks
+  in the private ``jupyter_server_config.py``), ipykernel's in the old and the new kernel
+  (``kernel.*``, hooks in the private ``ipython_kernel_config.py``, plain and warm alike) and
+  overmind-lab's own (``provisioner.*``, ``zygote.*``, ``child.*``, ``$OVERMIND_LAB_TIMELINE``);
+  medians in ``timeline_ms``, the table in ``timeline_table``;
 - ``pss``: summed PSS of 4 idle kernels that imported torch, diffusers and transformers
   (warm kernels also with the zygote's own PSS added).
 
@@ -36,6 +42,7 @@ from typing import Any
 from benchmarks._memory import read_smaps_rollup
 from benchmarks._server import JupyterServer, WsKernel
 from benchmarks._service import PrivateDaemon
+from overmind_lab._common.zygote_client import TIMELINE_ENV, timeline
 
 __all__ = ["LIMITS", "run_warm_kernel"]
 
@@ -69,6 +76,104 @@ PIDS_CELL = "import os; print(os.getpid(), os.getppid())\n"
 
 Progress = Callable[[str], None]
 
+#: Appends one step to ``$OVERMIND_LAB_TIMELINE`` (the hooks below; no overmind-lab import).
+_STAMP = """\
+import json as _json, os as _os, time as _time
+
+
+def _stamp(event):
+    path = _os.environ.get("OVERMIND_LAB_TIMELINE")
+    if path:
+        with open(path, "a") as f:
+            f.write(_json.dumps({"event": event, "t": _time.time(), "pid": _os.getpid()}) + "\\n")
+
+
+def _hook(cls, name, label, is_async):
+    import functools
+    orig = getattr(cls, name)
+    if is_async:
+        @functools.wraps(orig)
+        async def wrapper(self, *a, **k):
+            _stamp(label + ".start")
+            try:
+                return await orig(self, *a, **k)
+            finally:
+                _stamp(label + ".end")
+    else:
+        @functools.wraps(orig)
+        def wrapper(self, *a, **k):
+            _stamp(label + ".start")
+            try:
+                return orig(self, *a, **k)
+            finally:
+                _stamp(label + ".end")
+    setattr(cls, name, wrapper)
+"""
+
+#: The server's jupyter_client steps (both kernelspecs).
+SERVER_HOOKS = _STAMP + """
+from jupyter_client.manager import KernelManager as _KM
+for _name, _label in (("_async_interrupt_kernel", "server.interrupt"),
+                      ("_async_request_shutdown", "server.request_shutdown"),
+                      ("_async_finish_shutdown", "server.finish_shutdown"),
+                      ("_async_cleanup_resources", "server.cleanup"),
+                      ("_async_launch_kernel", "server.launch_kernel"),
+                      ("_async_post_start_kernel", "server.post_start")):
+    _hook(_KM, _name, _label, True)
+"""
+
+#: ipykernel's steps in every kernel, plain or warm.
+KERNEL_HOOKS = _STAMP + """
+import atexit as _atexit
+_stamp("kernel.config_loaded")
+_atexit.register(_stamp, "kernel.atexit")
+from ipykernel.kernelapp import IPKernelApp as _App
+from ipykernel.kernelbase import Kernel as _K
+for _name in ("init_sockets", "init_kernel", "init_shell", "start"):
+    _hook(_App, _name, "kernel." + _name, False)
+for _name in ("shutdown_request", "kernel_info_request"):
+    _hook(_K, _name, "kernel." + _name, True)
+"""
+
+#: The steps of the timeline table, in order; ``.start`` of a hook is its first call in the
+#: window (a restart's), ``.end`` its first return.
+TIMELINE_STEPS = (
+    ("client.restart_request", "restart request (POST .../restart)"),
+    ("server.interrupt.start", "server: interrupt the old kernel (jupyter_client)"),
+    ("server.request_shutdown.start", "server: shutdown_request sent"),
+    ("provisioner.shutdown_requested", "provisioner: shutdown requested"),
+    ("kernel.shutdown_request.start", "old kernel: shutdown_request received"),
+    ("kernel.shutdown_request.end", "old kernel: shutdown_reply sent, _at_shutdown done"),
+    ("kernel.atexit", "old kernel: ipykernel's atexit handlers ran"),
+    ("child.learned", "old kernel (forked): learned modules recorded"),
+    ("child.exit", "old kernel (forked): exits"),
+    ("provisioner.exit_seen", "provisioner: exit seen"),
+    ("server.finish_shutdown.end", "server: old kernel gone (finish_shutdown)"),
+    ("server.cleanup.end", "server: cleanup done"),
+    ("server.launch_kernel.start", "server: launch_kernel"),
+    ("provisioner.launch.start", "provisioner: launch_kernel start"),
+    ("zygote.fork_request", "zygote: fork request read"),
+    ("zygote.checked", "zygote: checks done (stale files, identity, threads)"),
+    ("zygote.forked", "zygote: fork() returned"),
+    ("child.become", "child: become done"),
+    ("zygote.fork_reply", "zygote: reply sent (child took on attributes)"),
+    ("provisioner.launch.end", "provisioner: launch_kernel end"),
+    ("server.launch_kernel.end", "server: launch_kernel end"),
+    ("child.run_module", "child: runpy ipykernel_launcher"),
+    ("kernel.config_loaded", "new kernel: config loaded (imports done)"),
+    ("kernel.init_sockets.end", "new kernel: sockets bound"),
+    ("kernel.init_kernel.end", "new kernel: Kernel object made"),
+    ("kernel.init_shell.end", "new kernel: shell made"),
+    ("kernel.start.start", "new kernel: ready (IPKernelApp.start)"),
+    ("server.post_start.end", "server: post_start_kernel done"),
+    ("kernel.kernel_info_request.start", "new kernel: first kernel_info_request"),
+    ("client.restart_reply", "client: restart reply (server saw kernel_info_reply)"),
+    ("client.ws_connected", "client: websocket connected"),
+    ("client.kernel_info_reply", "client: first kernel_info_reply"),
+    ("client.execute_request", "client: execute_request sent"),
+    ("client.execute_reply", "client: execute_reply"),
+)
+
 
 def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
@@ -96,6 +201,8 @@ class _Lab:
             JUPYTER_CONFIG_DIR=str(self.dir / "config"), JUPYTER_DATA_DIR=str(self.dir / "data"),
             JUPYTER_RUNTIME_DIR=str(self.dir / "runtime"), IPYTHONDIR=str(self.dir / "ipython"),
             PYDEVD_DISABLE_FILE_VALIDATION="1", JUPYTER_PLATFORM_DIRS="1")
+        self.timeline = self.dir / "timeline.jsonl"
+        self.env[TIMELINE_ENV] = str(self.timeline)
         self.server = JupyterServer(self.env, log_dir / "warm-kernel-server.log",
                                     extra_args=(f"--ServerApp.root_dir={self.dir}",))
 
@@ -111,14 +218,37 @@ class _Lab:
                                 "{connection_file}"]
             (self.dir / "share" / "kernels" / name).mkdir(parents=True)
             (self.dir / "share" / "kernels" / name / "kernel.json").write_text(json.dumps(spec))
+        (self.dir / "config").mkdir(parents=True, exist_ok=True)
+        (self.dir / "config" / "jupyter_server_config.py").write_text(SERVER_HOOKS)
+        (self.dir / "ipython" / "profile_default").mkdir(parents=True, exist_ok=True)
+        (self.dir / "ipython" / "profile_default" / "ipython_kernel_config.py").write_text(
+            KERNEL_HOOKS)
         seconds = self.server.start()
         progress(f"warm-kernel: jupyter server up on port {self.server.port} in {seconds:.1f} s "
                  f"(private daemon and zygote directory {self.dir})")
 
     def kernel(self, name: str) -> WsKernel:
-        k = WsKernel(self.server, name, self.timeout)
+        k = WsKernel(self.server, name, self.timeout, mark=self.mark)
         self.kernels.append(k)
         return k
+
+    def mark(self, event: str) -> None:
+        timeline(event, self.env)
+
+    def steps_since(self, t0: float, t1: float) -> dict[str, float]:
+        """Each step's first time in ``[t0, t1]``, in seconds after ``t0`` (the become's
+        sub-steps as ``child.become:<step>`` in ms)."""
+        out: dict[str, float] = {}
+        with contextlib.suppress(FileNotFoundError):
+            for line in self.timeline.read_text().splitlines():
+                with contextlib.suppress(ValueError):
+                    ev = json.loads(line)
+                    t = float(ev["t"])
+                    if t0 <= t <= t1 and ev["event"] not in out:
+                        out[ev["event"]] = t - t0
+                        for step, ms in (ev.get("steps") or {}).items():
+                            out[f"child.become:{step}"] = ms / 1000
+        return out
 
     def drop(self, kernel: WsKernel) -> None:
         kernel.close()
@@ -146,6 +276,8 @@ class _Lab:
         for k in list(self.kernels):
             self.drop(k)
         self.server.stop()
+        with contextlib.suppress(OSError):  # every step of the run, beside the logs
+            (self.log_dir / "warm-kernel-timeline.jsonl").write_bytes(self.timeline.read_bytes())
         # zygotes and forked kernels name the directory in their command line, plain
         # kernels their connection file in its runtime/
         for pid in _marked(str(self.dir)):
@@ -194,22 +326,51 @@ def _restarts(lab: _Lab, name: str, cell: str, repeat: int, progress: Progress) 
             restarts: list[float] = []
             cells: list[float] = []
             forked: list[bool] = []
+            steps: list[dict[str, float]] = []
             for i in range(repeat):
+                t0 = time.time()
                 restarts.append(k.restart())
                 cells.append(k.execute(cell)[0])
+                steps.append(lab.steps_since(t0, time.time()))
                 forked.append(_pids(k)[1] in lab.zygote_pids())
                 progress(f"warm-kernel: {name} {kind} {i + 1}/{repeat}: restart "
                          f"{restarts[-1]:.2f} s, cell {cells[-1]:.2f} s"
                          f"{' (forked)' if forked[-1] else ''}")
             out[kind] = {"restart_seconds": _median(restarts), "cell_seconds": _median(cells),
-                         "restart_all": restarts, "cell_all": cells, "forked": forked}
+                         "restart_all": restarts, "cell_all": cells, "forked": forked,
+                         "timeline_ms": _timeline_medians(steps), "timeline_all": steps}
         finally:
             lab.drop(k)
+    out["timeline_table"] = timeline_table(out["plain"]["timeline_ms"],
+                                           out["warm"]["timeline_ms"], repeat)
     out["ratios"] = {
         "restart_warm_over_plain": out["warm"]["restart_seconds"] / out["plain"]["restart_seconds"],
         "cell_warm_over_plain": out["warm"]["cell_seconds"] / out["plain"]["cell_seconds"],
     }
     return out
+
+
+def _timeline_medians(steps: list[dict[str, float]]) -> dict[str, float]:
+    names = {name for s in steps for name in s}
+    return {name: 1000 * statistics.median([s[name] for s in steps if name in s])
+            for name in sorted(names)}
+
+
+def timeline_table(plain: dict[str, float], warm: dict[str, float], repeat: int) -> list[str]:
+    """The restart timeline as Markdown lines: each step's median offset from the restart
+    request (ms), plain and warm side by side."""
+    def cell(d: dict[str, float], key: str) -> str:
+        return f"{d[key]:.0f}" if key in d else "-"
+
+    lines = [f"Restart timeline: median ms after the restart request ({repeat} restarts)", "",
+             "| step | event | plain | warm |", "| --- | --- | ---: | ---: |"]
+    for key, title in TIMELINE_STEPS:
+        lines.append(f"| {title} | `{key}` | {cell(plain, key)} | {cell(warm, key)} |")
+    sub = sorted(k for k in warm if k.startswith("child.become:"))
+    if sub:
+        lines += ["", "Forked child's `become` steps (median ms): " + ", ".join(
+            f"{k.partition(':')[2]} {warm[k]:.2f}" for k in sub)]
+    return lines
 
 
 def _memory(lab: _Lab, n: int, progress: Progress) -> dict[str, Any]:
@@ -254,6 +415,8 @@ def run_warm_kernel(sd_path: Path, llama: Path, quick: bool, repeat: int,
         result["zygote_pid"] = lab.zygote()["pid"]
         result["sd15"] = _restarts(lab, "sd15", SD_CELL.format(path=str(sd_path)), repeat,
                                    progress)
+        for line in result["sd15"]["timeline_table"]:
+            progress(f"warm-kernel: {line}")
         result["llama"] = _restarts(lab, "llama", LLAMA_CELL.format(path=str(llama)), repeat,
                                     progress)
         result["pss"] = _memory(lab, QUICK_KERNELS if quick else KERNELS, progress)

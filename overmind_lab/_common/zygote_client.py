@@ -4,12 +4,14 @@ the caller starts a plain kernel."""
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import cast
 
@@ -31,7 +33,7 @@ from overmind_lab._common.zygote_paths import (
 from overmind_lab._errors import OvermindError
 
 __all__ = ["LAUNCHER_MODULE", "KERNEL_MODULE", "kernel_argv", "WarmUnavailable", "WarmKernel",
-           "ask", "request_fork", "spawn", "user_env"]
+           "ask", "request_fork", "spawn", "user_env", "TIMELINE_ENV", "timeline"]
 
 #: The warm kernelspec's argv runs this module (``_launcher``).
 LAUNCHER_MODULE = "overmind_lab._launcher"
@@ -40,6 +42,10 @@ KERNEL_MODULE = "ipykernel_launcher"
 
 _CONNECT_TIMEOUT = 5.0
 _FORK_TIMEOUT = 20.0
+#: Note [Restart timeline]: a file to which the provisioner, the zygote and a forked child append
+#: one JSON line per step of a launch (``benchmarks/_warm_kernel.py`` reads it); unset: nothing.
+#: More in docs/notes.md.
+TIMELINE_ENV = "OVERMIND_LAB_TIMELINE"
 #: ``spawn`` keeps the user's value of a zygote-only variable under this prefix.
 _ORIG = "OVERMIND_LAB_ORIG_"
 
@@ -50,6 +56,23 @@ def kernel_argv(argv: list[str]) -> list[str]:
     if len(argv) >= 3 and argv[1] == "-m" and argv[2] == LAUNCHER_MODULE:
         return [argv[0], "-m", KERNEL_MODULE, *argv[3:]]
     return list(argv)
+
+
+def timeline(event: str, env: dict[str, str] | None = None, **extra: object) -> None:
+    """Note [Restart timeline]: append ``{"event", "t" (time.time()), "pid", **extra}`` to the file
+    ``$OVERMIND_LAB_TIMELINE`` of ``env`` (default ``os.environ``); nothing when it is unset."""
+    path = (os.environ if env is None else env).get(TIMELINE_ENV)
+    if not path:
+        return
+    line = json.dumps({"event": event, "t": time.time(), "pid": os.getpid(), **extra}) + "\n"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
 
 
 class WarmUnavailable(OvermindError):

@@ -36,9 +36,10 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from overmind_lab._common import inherit, learned
+from overmind_lab._common.zygote_client import timeline
 
 __all__ = ["ForkTask", "run_and_exit", "run", "become", "exit_now", "tqdm_classes",
-           "INTENDED_DIFFERENCES"]
+           "prepare_in_zygote", "INTENDED_DIFFERENCES"]
 
 #: Note [What a warm kernel does not share with a fresh one].
 @dataclass
@@ -137,15 +138,50 @@ def _fresh_library_state() -> None:
         del lock_cls.mp_lock
 
 
+#: ``threadpoolctl``'s controllers, found once in the zygote (:func:`prepare_in_zygote`).
+_THREADPOOL_LIBS: list[Any] | None = None
+#: What the zygote's import caches held; kept alive so the child frees nothing of it
+#: (Note [Import caches after the fork]).
+_ZYGOTE_CACHES: list[object] = []
+
+
+def prepare_in_zygote() -> None:
+    """In the zygote, once its imports are done: what every child would otherwise find again
+    after the fork (Note [BLAS threads]: the thread pools' libraries; ``threadpoolctl`` scans every
+    loaded library, 5-10 ms a child)."""
+    global _THREADPOOL_LIBS
+    if "threadpoolctl" in sys.modules:
+        from threadpoolctl import ThreadpoolController  # type: ignore[import-untyped]
+
+        _THREADPOOL_LIBS = list(ThreadpoolController().lib_controllers)
+
+
 def _set_threads(targets: dict[str, int]) -> None:
     if not targets or "threadpoolctl" not in sys.modules:
         return
-    from threadpoolctl import ThreadpoolController  # type: ignore[import-untyped]
+    libs = _THREADPOOL_LIBS
+    if libs is None:
+        from threadpoolctl import ThreadpoolController
 
-    for lib in ThreadpoolController().lib_controllers:
+        libs = ThreadpoolController().lib_controllers
+    for lib in libs:
         want = targets.get(lib.filepath)
         if want is not None and lib.num_threads != want:
             lib.set_num_threads(want)
+
+
+def _fresh_import_caches() -> None:
+    """Note [Import caches after the fork]: the finders a fresh process has not made yet.
+
+    A fresh interpreter starts with an empty ``sys.path_importer_cache``. Clearing the zygote's
+    would free its finders and their directory listings in the child, a write to thousands of
+    pages shared with the zygote (copy-on-write: 20 ms of a restart measured); the child binds a
+    new empty dict instead (the import system and ``importlib`` read ``sys.path_importer_cache``
+    at each use) and keeps the old one alive. More in docs/notes.md."""
+    _ZYGOTE_CACHES.append(sys.path_importer_cache)
+    sys.path_importer_cache = {}
+    importlib.invalidate_caches()
+    linecache.clearcache()
 
 
 def _watch_parent(pidfd: int) -> None:
@@ -176,12 +212,18 @@ def _parent_handle_from_env() -> None:
 
 def _learn_at_exit(task: ForkTask) -> None:
     def learn() -> None:
+        # Note [Learning at exit]: only the modules the zygote did not preload are looked at (a
+        # look at every module, realpath of each file, took 60-130 ms of each restart). More in
+        # docs/notes.md.
+        t0 = time.perf_counter()
         try:
-            new = [m for m in learned.third_party_modules() if m not in task.preloaded]
+            new = learned.third_party_modules(
+                [m for m in list(sys.modules) if m not in task.preloaded])
             if new:
                 learned.record_learned(task.learned_path, new)
         except OSError:
             pass
+        timeline("child.learned", ms=(time.perf_counter() - t0) * 1000)
 
     atexit.register(learn)
 
@@ -204,7 +246,16 @@ def _take_on_server_attributes(task: ForkTask) -> None:
 
 def become(task: ForkTask) -> None:
     """Everything but running the module (separate so a test can check the state)."""
+    steps: dict[str, float] = {}
+    last = [time.perf_counter()]
+
+    def step(name: str) -> None:  # the ms of each step, for Note [Restart timeline]
+        now = time.perf_counter()
+        steps[name] = round((now - last[0]) * 1000, 3)
+        last[0] = now
+
     _take_on_server_attributes(task)
+    step("inherit")
     os.setsid()
     for target, fd in enumerate(task.stdio):
         os.dup2(fd, target)
@@ -217,18 +268,22 @@ def become(task: ForkTask) -> None:
     time.tzset()
     logging.root.handlers.clear()
     logging.root.setLevel(logging.WARNING)
+    step("process")
     if not task.env.get("PYTHONSAFEPATH"):
         sys.path.insert(0, os.getcwd())
-    sys.path_importer_cache.clear()
-    importlib.invalidate_caches()
-    linecache.clearcache()
+    _fresh_import_caches()
+    step("import_caches")
     _reseed()
+    step("reseed")
     _fresh_library_state()
     _set_threads(task.thread_targets)
+    step("threads")
     if task.parent_pidfd is not None and task.env.get("JPY_PARENT_PID"):
         _watch_parent(task.parent_pidfd)
     _parent_handle_from_env()
     _learn_at_exit(task)
+    step("watch")
+    timeline("child.become", task.env, steps=steps)
 
 
 def run(task: ForkTask) -> int:
@@ -237,6 +292,7 @@ def run(task: ForkTask) -> int:
     module, args = task.argv[2], task.argv[3:]
     sys.argv = [task.argv[0], *args]
     sys.orig_argv = list(task.argv)
+    timeline("child.run_module", task.env)
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as exc:
@@ -266,6 +322,7 @@ def exit_now(code: int) -> NoReturn:
     flushed), minus tearing down the preloaded modules. More in docs/notes.md."""
     threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
+    timeline("child.exit", code=code)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

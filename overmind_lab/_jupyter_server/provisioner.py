@@ -7,6 +7,13 @@ through a pidfd, never a reused pid.
 Note [Never worse than plain]: any failure of the warm path launches a plain kernel
 (``LocalProvisioner.launch_kernel``) and logs one line why; when no zygote runs, one is started
 in the background for the next launch. More in docs/notes.md.
+
+Note [Exit on the pidfd]: once the kernel's shutdown was requested, ``poll`` waits on the pidfd
+(up to ``_SHUTDOWN_POLL_S``) instead of answering "alive" at once, so jupyter_client's 0.1 s
+``_async_wait`` loop (``finish_shutdown``) returns the moment the kernel exits; ``wait`` also
+wakes on the pidfd. jupyter_client's own timeouts still bound both (``asyncio.wait_for`` cancels
+the wait), so a kernel that ignores its shutdown request is still sent SIGTERM, then SIGKILL.
+More in docs/notes.md.
 """
 
 from __future__ import annotations
@@ -27,9 +34,14 @@ from overmind_lab._common.zygote_client import (
     WarmUnavailable,
     kernel_argv,
     request_fork,
+    timeline,
 )
 
 __all__ = ["WarmProvisioner"]
+
+#: Note [Exit on the pidfd]: the longest a ``poll`` after a shutdown request waits for the exit.
+_SHUTDOWN_POLL_S = 1.0
+
 
 def _stdio_fds(kwargs: dict[str, Any]) -> list[int]:
     fds = []
@@ -65,6 +77,9 @@ def _observe() -> dict[str, Any]:
 class WarmProvisioner(LocalProvisioner):
     """A ``LocalProvisioner`` whose kernels are forked from an overmind-lab zygote."""
     warm: WarmKernel | None = None
+    #: Note [Exit on the pidfd]: set by ``shutdown_requested``, cleared by the next launch.
+    _shutting_down: bool = False
+    _warm_exit: asyncio.Future[None] | None = None
 
     @property
     def has_process(self) -> bool:
@@ -77,6 +92,9 @@ class WarmProvisioner(LocalProvisioner):
         watch_parent = not kwargs.get("independent", False)
         if watch_parent:
             env["JPY_PARENT_PID"] = str(os.getpid())  # as jupyter_client's launcher does
+        self._shutting_down = False
+        self._drop_warm()  # a previous kernel not waited for: its pidfd and reader go
+        timeline("provisioner.launch.start", env)
         t0 = time.perf_counter()
         try:
             # In the event loop's thread, which would fork a plain kernel (nice etc. per thread).
@@ -90,26 +108,71 @@ class WarmProvisioner(LocalProvisioner):
                     os.close(fd)
         except WarmUnavailable as exc:
             self.log.warning("overmind-lab: launching a plain kernel: %s", exc)
-            return await super().launch_kernel(cmd, **kwargs)
+            info = await super().launch_kernel(cmd, **kwargs)
+            timeline("provisioner.launch.end", env, warm=False)
+            return info
         self.warm = warm
         self.pid = self.pgid = warm.pid
         self.cwd = cwd
+        timeline("provisioner.launch.end", env, warm=True, kernel=warm.pid)
         self.log.info("overmind-lab: warm kernel %d forked in %.0f ms", warm.pid,
                       (time.perf_counter() - t0) * 1000)
         return self.connection_info
 
+    async def shutdown_requested(self, restart: bool = False) -> None:
+        self._shutting_down = True
+        timeline("provisioner.shutdown_requested", restart=restart)
+        await super().shutdown_requested(restart)
+
+    async def _until_exit(self, warm: WarmKernel, timeout: float | None) -> None:
+        """Note [Exit on the pidfd]: return once ``warm`` exited, or after ``timeout``."""
+        if warm.exited():
+            return
+        fut = self._warm_exit
+        if fut is None:
+            loop = asyncio.get_running_loop()
+            fut = loop.create_future()
+
+            def fire(fut: asyncio.Future[None] = fut) -> None:
+                loop.remove_reader(warm.pidfd)
+                if not fut.done():
+                    fut.set_result(None)
+
+            try:
+                loop.add_reader(warm.pidfd, fire)
+            except (NotImplementedError, OSError, ValueError):  # a loop without readers
+                await asyncio.sleep(0.05 if timeout is None else min(timeout, 0.05))
+                return
+            self._warm_exit = fut
+        await asyncio.wait([fut], timeout=timeout)
+
+    def _drop_warm(self) -> None:
+        warm, fut = self.warm, self._warm_exit
+        self.warm = self._warm_exit = None
+        if warm is None:
+            return
+        if fut is not None and not fut.done():
+            fut.get_loop().remove_reader(warm.pidfd)  # before the pidfd is closed
+            fut.cancel()
+        warm.close()
+
     async def poll(self) -> int | None:
         if self.warm is None:
             return await super().poll()
-        return self.warm.returncode()
+        if self._shutting_down:
+            await self._until_exit(self.warm, _SHUTDOWN_POLL_S)
+        code = self.warm.returncode()
+        if code is not None:
+            timeline("provisioner.exit_seen", code=code)
+        return code
 
     async def wait(self) -> int | None:
         if self.warm is None:
             return await super().wait()
-        while (code := self.warm.returncode()) is None:
-            await asyncio.sleep(0.05)
-        self.warm.close()
-        self.warm = None
+        warm = self.warm
+        while (code := warm.returncode()) is None:
+            await self._until_exit(warm, None)
+        self._drop_warm()
         return code
 
     async def send_signal(self, signum: int) -> None:
@@ -132,6 +195,5 @@ class WarmProvisioner(LocalProvisioner):
 
     async def cleanup(self, restart: bool = False) -> None:
         if self.warm is not None and self.warm.exited():
-            self.warm.close()
-            self.warm = None
+            self._drop_warm()
         await super().cleanup(restart)

@@ -42,7 +42,7 @@ from overmind_lab._common.messages import (
     ZygoteStatus,
 )
 from overmind_lab._common.protocol import Channel, bind_private
-from overmind_lab._common.zygote_client import spawn, user_env
+from overmind_lab._common.zygote_client import spawn, timeline, user_env
 from overmind_lab._common.zygote_paths import ZygotePaths, identity, zygote_idle_seconds
 from overmind_lab._forked import become
 from overmind_lab._forked.become import INTENDED_DIFFERENCES, ForkTask
@@ -264,6 +264,7 @@ def boot(paths: ZygotePaths, owners: list[int]) -> _State | None:
         import json
 
         targets = {str(k): int(v) for k, v in json.loads(out or "{}").items()}
+        become.prepare_in_zygote()
         snap = preload.snapshot()
         # Note [Frozen heap]: a kernel's collection would write the GC header of every object the
         # zygote imported, copying its page; frozen, those pages stay shared.
@@ -369,7 +370,10 @@ def _handle_fork(state: _State, conn: socket.socket, chan: Channel,
                  request: ForkRequest, fds: list[int], peer: int) -> None:
     """Fork a kernel for ``request``: in the parent, returns once the child started (or could not);
     the child never returns (Note [Leaving the zygote's loop] in ``_forked/become.py``)."""
+    env = {str(k): str(v) for k, v in dict(request.get("env", {})).items()}
+    timeline("zygote.fork_request", env)
     why = _refuse(state, request)
+    timeline("zygote.checked", env, files=len(state.snap))
     if why or len(fds) != 3:
         for fd in fds:
             os.close(fd)
@@ -386,7 +390,7 @@ def _handle_fork(state: _State, conn: socket.socket, chan: Channel,
     ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
     task = ForkTask(
         argv=[str(a) for a in request["argv"]],
-        env={str(k): str(v) for k, v in dict(request["env"]).items()},
+        env=env,
         cwd=str(request.get("cwd") or os.getcwd()), stdio=fds, parent_pidfd=parent_pidfd,
         thread_targets=_targets_for(state, task_inherit), learned_path=state.paths.learned,
         preloaded=frozenset(state.preloaded),
@@ -401,6 +405,7 @@ def _handle_fork(state: _State, conn: socket.socket, chan: Channel,
         become.run_and_exit(task)  # the route out of the zygote: it never returns
     state.last_fork_ms = (time.perf_counter() - t0) * 1000
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    timeline("zygote.forked", env, kernel=pid, fork_ms=state.last_fork_ms)
     os.close(ready_w)
     for fd in fds:
         os.close(fd)
@@ -423,6 +428,7 @@ def _handle_fork(state: _State, conn: socket.socket, chan: Channel,
         chan.send(reply, [pidfd])
     except OSError:
         pass  # the provisioner went away; the kernel's own parent watch decides
+    timeline("zygote.fork_reply", env, kernel=pid)
     log.info("forked kernel %d for %d in %.1f ms", pid, peer, state.last_fork_ms)
     _maybe_renew(state)
 

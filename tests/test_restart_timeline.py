@@ -1,0 +1,136 @@
+"""A warm kernel's restart: the timeline it writes (Note [Restart timeline]), its old kernel's
+``atexit`` handlers, and the exit seen on the pidfd (Note [Exit on the pidfd]) without losing
+jupyter_client's SIGTERM and SIGKILL for a kernel that does not exit.
+
+The zygote and kernels as in ``test_warm_kernel.py`` (its helpers), with
+``OVERMIND_LAB_TIMELINE`` in the launch environment from the start (it is part of the
+zygote's identity, as every ``OVERMIND_LAB_`` variable).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from overmind_lab._common.zygote_client import TIMELINE_ENV, timeline
+from overmind_lab._jupyter_server import kernelspec as spec
+from tests.test_warm_kernel import (
+    LAUNCH_ENV,
+    PRELOAD,
+    Kernel,
+    _alive,
+    _kill_ours,
+    _wait_for,
+    ready_zygote,
+)
+
+
+def test_timeline_writes_a_json_line_only_when_asked(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "t.jsonl"
+    monkeypatch.delenv(TIMELINE_ENV, raising=False)
+    timeline("nothing")
+    timeline("nothing either", {})
+    assert not path.exists()
+    timeline("from env", {TIMELINE_ENV: str(path)}, kernel=7)
+    monkeypatch.setenv(TIMELINE_ENV, str(path))
+    before = time.time()
+    timeline("from os.environ")
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [e["event"] for e in lines] == ["from env", "from os.environ"]
+    assert lines[0]["kernel"] == 7 and lines[0]["pid"] == os.getpid()
+    assert before <= lines[1]["t"] <= time.time()
+    monkeypatch.setenv(TIMELINE_ENV, str(tmp_path / "no-such-dir" / "t.jsonl"))
+    timeline("unwritable: ignored")
+
+
+@pytest.fixture(scope="module")
+def timed_zygote() -> Iterator[Path]:
+    """A private zygote directory with its zygote; yields the timeline file."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("Linux only")
+    with tempfile.TemporaryDirectory(prefix="olt-", dir="/tmp") as d:
+        mp = pytest.MonkeyPatch()
+        try:
+            mp.setenv("OVERMIND_LAB_SOCKET", f"{d}/d.sock")
+            mp.setenv("OVERMIND_LAB_PRELOAD", PRELOAD)
+            mp.setenv("JUPYTER_PATH", f"{d}/prefix/share/jupyter")
+            mp.setenv(TIMELINE_ENV, f"{d}/timeline.jsonl")
+            spec.install(prefix=f"{d}/prefix")
+            LAUNCH_ENV.clear()
+            LAUNCH_ENV.update(os.environ)
+            first = Kernel()  # plain: it starts the zygote
+            first.close()
+            ready_zygote(Path(d))
+            yield Path(d) / "timeline.jsonl"
+        finally:
+            _kill_ours(d)
+            mp.undo()
+
+
+def _events_since(path: Path, t0: float) -> list[dict[str, Any]]:
+    return [e for e in map(json.loads, path.read_text().splitlines()) if e["t"] >= t0]
+
+
+@pytest.mark.slow
+def test_a_restart_runs_the_old_kernels_atexit_and_writes_its_timeline(
+        timed_zygote: Path, tmp_path: Path) -> None:
+    k = Kernel(cwd=str(tmp_path))
+    try:
+        assert k.warm, k.log_text()
+        marker = tmp_path / "atexit-ran"
+        k.run(f"import atexit; atexit.register(lambda: open({str(marker)!r}, 'w').write('ran'))")
+        old = k.pid
+        t0 = time.time()
+        k.restart()
+        assert k.warm and k.pid != old
+        assert marker.read_text() == "ran"
+        assert k.run("print(1 + 1)").strip() == "2"
+        events = _events_since(timed_zygote, t0)
+        first = {}
+        for e in events:
+            first.setdefault(e["event"], e)
+        for name in ("provisioner.shutdown_requested", "child.exit", "provisioner.exit_seen",
+                     "provisioner.launch.start", "zygote.fork_request", "zygote.forked",
+                     "child.become", "zygote.fork_reply", "provisioner.launch.end",
+                     "child.run_module"):
+            assert name in first, (name, events)
+        assert first["child.exit"]["pid"] == old
+        assert first["child.become"]["pid"] == k.pid
+        assert set(first["child.become"]["steps"]) >= {"inherit", "import_caches", "threads"}
+        order = ["provisioner.shutdown_requested", "child.exit", "provisioner.exit_seen",
+                 "provisioner.launch.start", "zygote.forked", "provisioner.launch.end"]
+        times = [first[name]["t"] for name in order]
+        assert times == sorted(times), list(zip(order, times, strict=True))
+    finally:
+        k.close()
+
+
+@pytest.mark.slow
+def test_a_kernel_that_ignores_its_shutdown_and_sigterm_is_killed_on_restart(
+        timed_zygote: Path, tmp_path: Path) -> None:
+    k = Kernel(cwd=str(tmp_path))
+    try:
+        assert k.warm, k.log_text()
+        k.km.shutdown_wait_time = 2.0  # SIGTERM after 1 s, SIGKILL after 2 s
+        k.run("import atexit, signal, time\n"
+              "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+              "atexit.register(time.sleep, 3600)\n")
+        old = k.pid
+        t0 = time.monotonic()
+        k.restart()
+        took = time.monotonic() - t0
+        assert k.warm and k.pid != old
+        _wait_for(lambda: not _alive(old), 30, "the old kernel to be killed")
+        assert 1.5 <= took < 60, took
+        assert k.run("print(6 * 7)").strip() == "42"
+    finally:
+        k.close()
