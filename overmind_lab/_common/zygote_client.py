@@ -26,6 +26,7 @@ from overmind_lab._common.messages import (
 )
 from overmind_lab._common.protocol import Channel
 from overmind_lab._common.zygote_paths import (
+    TIMELINE_ENV,
     ZYGOTE_ONLY_ENV,
     ZygotePaths,
     zygote_boot_wait_seconds,
@@ -45,7 +46,6 @@ _FORK_TIMEOUT = 20.0
 #: Note [Restart timeline]: a file to which the provisioner, the zygote and a forked child append
 #: one JSON line per step of a launch (``benchmarks/_warm_kernel.py`` reads it); unset: nothing.
 #: More in docs/notes.md.
-TIMELINE_ENV = "OVERMIND_LAB_TIMELINE"
 #: ``spawn`` keeps the user's value of a zygote-only variable under this prefix.
 _ORIG = "OVERMIND_LAB_ORIG_"
 
