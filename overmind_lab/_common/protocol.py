@@ -19,7 +19,8 @@ from collections.abc import Mapping, Sequence
 
 from overmind_lab._errors import ProtocolError
 
-__all__ = ["Channel", "AsyncChannel", "Frame", "MAX_FRAME", "MAX_FDS", "bind_private"]
+__all__ = ["Channel", "AsyncChannel", "Frame", "MAX_FRAME", "MAX_FDS", "bind_private",
+           "peer_credentials"]
 
 _HEADER = struct.Struct(">I")
 MAX_FRAME = 64 * 1024 * 1024
@@ -231,3 +232,10 @@ def bind_private(sock: socket.socket, path: str, backlog: int) -> None:
     finally:
         os.umask(old)
     sock.listen(backlog)
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the process at the other end of a Unix socket (SO_PEERCRED)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return pid, uid, gid

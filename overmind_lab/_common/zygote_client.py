@@ -43,9 +43,6 @@ KERNEL_MODULE = "ipykernel_launcher"
 
 _CONNECT_TIMEOUT = 5.0
 _FORK_TIMEOUT = 20.0
-#: Note [Restart timeline]: a file to which the provisioner, the zygote and a forked child append
-#: one JSON line per step of a launch (``benchmarks/_warm_kernel.py`` reads it); unset: nothing.
-#: More in docs/notes.md.
 #: ``spawn`` keeps the user's value of a zygote-only variable under this prefix.
 _ORIG = "OVERMIND_LAB_ORIG_"
 

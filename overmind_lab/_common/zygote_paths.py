@@ -41,7 +41,9 @@ DEFAULT_ZYGOTE_IDLE_S = 300.0
 ZYGOTE_BOOT_WAIT_ENV = "OVERMIND_LAB_ZYGOTE_BOOT_WAIT"
 DEFAULT_ZYGOTE_BOOT_WAIT_S = 30.0
 #: Settings of the zygote's own life, not of what imports do: never part of the identity.
-#: Note [Restart timeline]: a file the launch path appends timestamps to (benchmark only).
+#: Note [Restart timeline]: a file to which the provisioner, the zygote and a forked child append
+#: one JSON line per step of a launch (``benchmarks/_warm_kernel.py`` reads it); unset: nothing.
+#: Not part of the identity. More in docs/notes.md.
 TIMELINE_ENV = "OVERMIND_LAB_TIMELINE"
 _NOT_IMPORT_ENV = frozenset({ZYGOTE_IDLE_ENV, ZYGOTE_BOOT_WAIT_ENV, TIMELINE_ENV})
 

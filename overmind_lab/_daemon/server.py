@@ -17,7 +17,6 @@ import os
 import resource
 import signal
 import socket
-import struct
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -45,7 +44,7 @@ from overmind_lab._common.messages import (
     WireEntry,
 )
 from overmind_lab._common.naming import BUDGET_ENV
-from overmind_lab._common.protocol import AsyncChannel, Frame
+from overmind_lab._common.protocol import AsyncChannel, Frame, peer_credentials
 from overmind_lab._common.sizes import available_memory, parse_size, total_memory
 from overmind_lab._daemon.holders import HolderScanner
 from overmind_lab._daemon.index import Entry, Index, Segment, TooLarge
@@ -64,7 +63,7 @@ from overmind_lab._errors import ErrorKind
 if TYPE_CHECKING:
     from overmind_lab._daemon.refresh import Refresher
 
-__all__ = ["Daemon", "default_budget", "peer_credentials"]
+__all__ = ["Daemon", "default_budget"]
 
 log = logging.getLogger("overmind_lab.daemon")
 
@@ -97,12 +96,6 @@ def max_segments() -> int:
     if soft == resource.RLIM_INFINITY:
         return 1 << 20
     return max(16, soft - FD_RESERVE)
-
-
-def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, gid = struct.unpack("3i", raw)
-    return pid, uid, gid
 
 
 class Daemon:

@@ -22,7 +22,6 @@ import os
 import select
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -41,7 +40,7 @@ from overmind_lab._common.messages import (
     ZygoteRequest,
     ZygoteStatus,
 )
-from overmind_lab._common.protocol import Channel, bind_private
+from overmind_lab._common.protocol import Channel, bind_private, peer_credentials
 from overmind_lab._common.zygote_client import spawn, timeline, user_env
 from overmind_lab._common.zygote_paths import ZygotePaths, identity, zygote_idle_seconds
 from overmind_lab._forked import become
@@ -57,7 +56,6 @@ _REPLY_TIMEOUT = 10.0
 _READY_TIMEOUT = 10.0
 #: How long a fork may wait for the BLAS probe of a CPU affinity not seen before.
 _AFFINITY_PROBE_TIMEOUT = 8.0
-#: The user's own value of a variable the zygote overrides (``spawn``) is kept under this.
 _TICK_MS = 500
 #: A replacement that did not take over (it failed, or lost the boot lock) is asked again.
 _RENEW_AGAIN_S = 30.0
@@ -134,12 +132,6 @@ def fork_refusal() -> str | None:
     if zmq is not None and getattr(zmq.Context, "_instance", None) is not None:
         return "a zmq context exists in the zygote"
     return None
-
-
-def _peer_uid_pid(conn: socket.socket) -> tuple[int, int]:
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, _gid = struct.unpack("3i", creds)
-    return uid, pid
 
 
 def _probe_threads(env: dict[str, str], cpus: tuple[int, ...] = ()) -> subprocess.Popen[str]:
@@ -517,7 +509,7 @@ def _reap(state: _State, pidfd: int) -> None:
 
 def _accept(state: _State) -> None:
     conn, _ = state.listener.accept()
-    uid, _pid = _peer_uid_pid(conn)
+    _pid, uid, _gid = peer_credentials(conn)
     if uid != os.getuid():
         Channel(conn, 1.0).send({"ok": False, "error": f"the overmind-lab zygote of uid "
                                  f"{os.getuid()} does not serve uid {uid}"})
@@ -537,7 +529,7 @@ def _serve_conn(state: _State, conn: socket.socket) -> None:
         state.conns.pop(conn.fileno(), None)
         conn.close()
         return
-    _uid, peer = _peer_uid_pid(conn)
+    peer, _uid, _gid = peer_credentials(conn)
     request = cast(ZygoteRequest, frame)
     op = request.get("op")
     if op == "fork":
