@@ -134,3 +134,58 @@ def test_a_kernel_that_ignores_its_shutdown_and_sigterm_is_killed_on_restart(
         assert k.run("print(6 * 7)").strip() == "42"
     finally:
         k.close()
+
+
+def _welcome(session: Any, sub: Any) -> dict[str, Any] | None:
+    """The next ``iopub_welcome`` on ``sub`` (other messages skipped); None after 60 s of
+    silence."""
+    while sub.poll(60_000):
+        _, frames = session.feed_identities(sub.recv_multipart())
+        msg = session.deserialize(frames)
+        if msg["header"]["msg_type"] == "iopub_welcome":
+            return msg
+    return None
+
+
+@pytest.mark.slow
+def test_every_iopub_subscriber_is_welcomed_and_the_zygotes_finalizers_stay_its_own(
+        timed_zygote: Path, tmp_path: Path) -> None:
+    """Note [Every subscriber welcomed]: a second and a third client each get their
+    ``iopub_welcome`` (a plain ipykernel welcomes only the first subscription to a topic).
+    Note [The zygote's finalizers]: the kernel runs its own ``weakref.finalize`` at exit, not
+    the zygote's; and its ports were bound at the fork (Note [Ports bound at the fork])."""
+    import zmq
+
+    k = Kernel(cwd=str(tmp_path))
+    subs: list[Any] = []
+    try:
+        assert k.warm, k.log_text()
+        info = k.km.get_connection_info()
+        for _ in range(2):  # the test's client already subscribed to every topic
+            sub = zmq.Context.instance().socket(zmq.SUB)
+            sub.linger = 0
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(f"tcp://{info['ip']}:{info['iopub_port']}")
+            subs.append(sub)
+            msg = _welcome(k.km.session, sub)
+            assert msg is not None and msg["content"] == {"subscription": ""}
+        counts = k.json(
+            "import json, weakref\n"
+            "_infos = list(weakref.finalize._registry.values())\n"
+            "_torch = [i for i in _infos if i.func.__module__.startswith('torch')]\n"
+            "print(json.dumps([sum(i.atexit for i in _torch), len(_torch)]))")
+        assert counts[1] > 0 and counts[0] == 0, counts  # torch's, made in the zygote
+        marker = tmp_path / "finalized"
+        k.run("import weakref\n"
+              "class _Held: pass\n"
+              "_held = _Held()\n"
+              f"weakref.finalize(_held, open({str(marker)!r}, 'w').write, 'ran')")
+        t0 = time.time()
+        k.restart()
+        assert marker.read_text() == "ran"
+        become = [e for e in _events_since(timed_zygote, t0) if e["event"] == "child.become"]
+        assert become and "ports" in become[-1]["steps"], become
+    finally:
+        for sub in subs:
+            sub.close()
+        k.close()

@@ -31,12 +31,15 @@ import sys
 import threading
 import time
 import traceback
+import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
 from overmind_lab._common import inherit, learned
 from overmind_lab._common.zygote_client import timeline
+from overmind_lab._forked import ports
 
 __all__ = ["ForkTask", "run_and_exit", "run", "become", "exit_now", "tqdm_classes",
            "prepare_in_zygote", "INTENDED_DIFFERENCES"]
@@ -82,15 +85,20 @@ def _starting_sigint(signum: int, frame: object) -> None:
     """SIGINT while the kernel starts: dropped (Note [Interrupted at birth])."""
 
 
-def _reset_signals(ipykernel: bool = False) -> None:
+def _reset_signals(ipykernel: bool = False, ignored: Iterable[int] = ()) -> None:
+    """Signal dispositions as a fresh process has them: default, but what the server ignores
+    (``inherit._ignored_signals``) ignored, and Python's own SIGINT, SIGPIPE and SIGXFSZ."""
+    ignored = set(ignored)
     for sig in signal.valid_signals():
         if sig in (signal.SIGKILL, signal.SIGSTOP):
             continue
         try:
-            signal.signal(sig, signal.SIG_DFL)
+            signal.signal(sig, signal.SIG_IGN if int(sig) in ignored else signal.SIG_DFL)
         except (OSError, ValueError):
             pass
-    signal.signal(signal.SIGINT, _starting_sigint if ipykernel else signal.default_int_handler)
+    if signal.SIGINT not in ignored:
+        signal.signal(signal.SIGINT,
+                      _starting_sigint if ipykernel else signal.default_int_handler)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
@@ -210,6 +218,36 @@ def _parent_handle_from_env() -> None:
             static["parent_handle"] = value
 
 
+def _leave_zygote_finalizers() -> None:
+    """Note [The zygote's finalizers]: the ``weakref.finalize`` objects alive now were made in the
+    zygote, for the zygote's objects; the child does not run them at exit. More in
+    docs/notes.md."""
+    for finalizer in list(weakref.finalize._registry):  # type: ignore[attr-defined]
+        finalizer.atexit = False
+
+
+def _welcome_every_subscriber() -> None:
+    """Note [Every subscriber welcomed]: the kernel's IOPub socket reports every subscription,
+    not only the first to a topic, so every client that connects gets an ``iopub_welcome``
+    (JEP 65). More in docs/notes.md."""
+    iostream = sys.modules.get("ipykernel.iostream")
+    thread_cls = getattr(iostream, "IOPubThread", None)
+    original = getattr(thread_cls, "_setup_xpub_listener", None)
+    if thread_cls is None or original is None:
+        return
+    import zmq
+
+    def _setup_xpub_listener(self: Any) -> None:
+        # In IOPubThread.__init__, before its thread starts: the socket is not used by another
+        # thread yet (a socket option set later would race the IOPub thread).
+        socket = self.socket
+        if hasattr(socket, "getsockopt") and socket.getsockopt(zmq.TYPE) == zmq.XPUB:
+            socket.setsockopt(zmq.XPUB_VERBOSE, 1)
+        original(self)
+
+    thread_cls._setup_xpub_listener = _setup_xpub_listener
+
+
 def _learn_at_exit(task: ForkTask) -> None:
     def learn() -> None:
         # Note [Learning at exit]: only the modules the zygote did not preload are looked at (a
@@ -261,9 +299,12 @@ def become(task: ForkTask) -> None:
         os.dup2(fd, target)
         if fd > 2:
             os.close(fd)
-    _reset_signals(ipykernel=task.argv[2] in _IPYKERNEL_MAINS
-                   and "ipykernel.kernelapp" in sys.modules)
+    kernel = task.argv[2] in _IPYKERNEL_MAINS and "ipykernel.kernelapp" in sys.modules
+    _reset_signals(ipykernel=kernel, ignored=task.inherit.get("ignored_signals", ()))
     os.chdir(task.cwd)
+    if kernel:  # as early as the cwd allows: Note [Ports bound at the fork]
+        ports.bind_kernel_ports(task.argv[3:])
+        step("ports")
     _replace_environ(task.env, task.start_env)
     time.tzset()
     logging.root.handlers.clear()
@@ -283,6 +324,10 @@ def become(task: ForkTask) -> None:
     _parent_handle_from_env()
     _learn_at_exit(task)
     step("watch")
+    _leave_zygote_finalizers()
+    if kernel:
+        _welcome_every_subscriber()
+    step("kernel")
     timeline("child.become", task.env, steps=steps)
 
 

@@ -31,6 +31,16 @@ DEFAULT_PRELOAD = (
     "ipykernel",
     "ipykernel.kernelapp",
     "ipykernel.ipkernel",
+    # Note [What a kernel imports as it starts]: what ipykernel's initialize imports on its own.
+    "ipykernel.debugger",
+    "ipykernel.zmqshell",
+    "IPython.core.completerlib",
+    "IPython.core.debugger",
+    "IPython.core.oinspect",
+    "IPython.extensions.storemagic",
+    "IPython.utils.wildcard",
+    "sqlite3",
+    "tornado.queues",
     "threadpoolctl",
     "overmind_lab",
 )
