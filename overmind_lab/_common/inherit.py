@@ -4,7 +4,8 @@ Note [Inherited process attributes]: the provisioner :func:`observe` s its own a
 the event loop's thread: nice, affinity and scheduling are per thread); the zygote refuses
 what no process can change in itself (:func:`refusal`: namespaces, uids, capabilities,
 ``NoNewPrivs``, seccomp, cgroup hierarchies, ``RLIMIT_STACK``); the forked child :func:`apply` s
-the rest first (umask, nice, scheduling, affinity, ``oom_score_adj``, limits, groups, cgroups)
+the rest first (umask, nice, scheduling, affinity, ``oom_score_adj``, limits, groups, cgroups;
+ignored signals with the rest of the signals)
 and exits before any kernel code where not allowed, so the launch goes plain. More in
 docs/notes.md.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import resource
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +66,19 @@ def observe() -> dict[str, Any]:
         "cgroup": Path("/proc/self/cgroup").read_text(),
         "fixed": {k: status.get(k, "") for k in FIXED_STATUS},
         "namespaces": _namespaces(),
+        "ignored_signals": _ignored_signals(status["SigIgn"]),
     }
+
+
+def _ignored_signals(mask: str) -> list[int]:
+    """The signals an exec'd child of this process starts with ignored: ``SIG_IGN`` survives
+    ``execve``, except SIGPIPE and SIGXFSZ, which ``subprocess`` (``restore_signals``) resets
+    and which Python ignores on its own at start. A warm kernel sets the same ignored
+    (``_forked/become.py``); a server started as a shell's background job ignores SIGINT and
+    SIGQUIT, and so do its plain kernels."""
+    bits = int(mask, 16)
+    restored = {int(getattr(signal, n)) for n in ("SIGPIPE", "SIGXFSZ") if hasattr(signal, n)}
+    return [n for n in range(1, 65) if bits >> (n - 1) & 1 and n not in restored]
 
 
 def _cgroups(text: str) -> dict[str, str]:

@@ -147,24 +147,31 @@ def request_fork(cmd: list[str], env: dict[str, str], cwd: str,
         raise WarmUnavailable(f"warm kernels need Linux (this is {sys.platform})")
     paths = ZygotePaths.for_launch(cmd[0], env)
     paths.wait_while_booting(zygote_boot_wait_seconds(env))  # Note [Waiting for a booting zygote]
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    sock.settimeout(_CONNECT_TIMEOUT)
-    try:
-        sock.connect(str(paths.socket))
-    except OSError as exc:
-        sock.close()
-        spawn(paths, owners=[os.getpid()], env=env)
-        raise WarmUnavailable(f"no zygote was running ({exc.strerror}); started one "
-                              "for the next launch") from exc
-    chan = Channel(sock, _FORK_TIMEOUT)
     request: ForkRequest = {"op": "fork", "argv": cmd, "env": env, "cwd": cwd,
                             "watch_parent": watch_parent, "inherit": attributes or {}}
-    try:
-        chan.send(request, stdio)
-        reply, fds = chan.recv()
-    except (OvermindError, OSError) as exc:
-        sock.close()
-        raise WarmUnavailable(f"the zygote failed to answer: {exc}") from exc
+    for attempt in (1, 2):
+        inode = _inode(paths.socket)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.settimeout(_CONNECT_TIMEOUT)
+        try:
+            sock.connect(str(paths.socket))
+        except OSError as exc:
+            sock.close()
+            spawn(paths, owners=[os.getpid()], env=env)
+            raise WarmUnavailable(f"no zygote was running ({exc.strerror}); started one "
+                                  "for the next launch") from exc
+        chan = Channel(sock, _FORK_TIMEOUT)
+        try:
+            chan.send(request, stdio)
+            reply, fds = chan.recv()
+            break
+        except (OvermindError, OSError) as exc:
+            sock.close()
+            # Note [Replacing a zygote]: a connection queued at a zygote that was replaced
+            # meanwhile is closed unread when it exits; ask its replacement, once.
+            if attempt == 1 and inode is not None and _inode(paths.socket) not in (None, inode):
+                continue
+            raise WarmUnavailable(f"the zygote failed to answer: {exc}") from exc
     if not reply.get("ok") or len(fds) != 1:
         for fd in fds:
             os.close(fd)
@@ -180,6 +187,13 @@ def request_fork(cmd: list[str], env: dict[str, str], cwd: str,
         sock.close()
         raise WarmUnavailable(f"the zygote answered a fork without a pid: {reply!r}")
     return WarmKernel(pid, fds[0], chan)
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return None
 
 
 def spawn(paths: ZygotePaths, owners: list[int], env: dict[str, str]) -> None:
