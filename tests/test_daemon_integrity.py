@@ -163,14 +163,18 @@ import overmind_lab
 from tests.loaders import sized_load
 with overmind_lab.record_loads() as events:
     t = overmind_lab.load(sized_load, 256 * 1024, "f")
-[path] = glob.glob(os.path.join({cache!r}, "*.tmp")) or glob.glob(os.path.join({cache!r}, "*.seg"))
-os.chmod(path, 0o600)  # no pause: within a timestamp tick of the store, if it can
-with open(path, "r+b") as f:
-    f.seek(1000)
-    byte = f.read(1)
-    f.seek(1000)
-    f.write(bytes([byte[0] ^ 0x10]))
-os.chmod(path, 0o400)
+while True:  # the daemon may be renaming the .tmp to its .seg name right now: look again
+    [path] = glob.glob(os.path.join({cache!r}, "*.tmp")) or glob.glob(os.path.join({cache!r}, "*.seg"))
+    try:
+        os.chmod(path, 0o600)  # no pause: within a timestamp tick of the store, if it can
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        continue
+    break
+byte = os.pread(fd, 1, 1000)
+os.pwrite(fd, bytes([byte[0] ^ 0x10]), 1000)
+os.fchmod(fd, 0o400)
+os.close(fd)
 print(json.dumps({{"outcome": events[-1].outcome, "sum": float(t.sum())}}))
 """
 
