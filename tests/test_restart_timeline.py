@@ -106,6 +106,10 @@ def test_a_restart_runs_the_old_kernels_atexit_and_writes_its_timeline(
         assert first["child.exit"]["pid"] == old
         assert first["child.become"]["pid"] == k.pid
         assert set(first["child.become"]["steps"]) >= {"inherit", "import_caches", "threads"}
+        # Note [Checked while the old kernel exits]: the fork relied on the early check
+        checked = first["zygote.checked"]
+        assert checked["checked_since"] is not None
+        assert checked["checked_at"] >= checked["checked_since"], checked
         order = ["provisioner.shutdown_requested", "child.exit", "provisioner.exit_seen",
                  "provisioner.launch.start", "zygote.forked", "provisioner.launch.end"]
         times = [first[name]["t"] for name in order]
@@ -188,4 +192,27 @@ def test_every_iopub_subscriber_is_welcomed_and_the_zygotes_finalizers_stay_its_
     finally:
         for sub in subs:
             sub.close()
+        k.close()
+
+
+@pytest.mark.slow
+def test_a_file_changed_before_the_restart_request_makes_the_restart_plain(
+        timed_zygote: Path, tmp_path: Path) -> None:
+    """Note [Checked while the old kernel exits]: the early check still sees an edit made
+    while the old kernel ran (last in this module: it retires the module's zygote)."""
+    import threadpoolctl
+
+    k = Kernel(cwd=str(tmp_path))
+    path = Path(threadpoolctl.__file__)
+    st = path.stat()
+    try:
+        assert k.warm, k.log_text()
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+        k.restart()
+        # the check retired the zygote (its socket gone): the launch is plain and starts a
+        # fresh zygote for the next one
+        assert not k.warm, k.log_text()
+        assert k.run("print(6 * 7)").strip() == "42"
+    finally:
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
         k.close()

@@ -6,7 +6,7 @@ is sent, not a validation: receivers convert each field they read.
 
 from __future__ import annotations
 
-from typing import Literal, TypedDict, get_args
+from typing import Literal, NotRequired, TypedDict, get_args
 
 __all__ = [
     "Op", "OPS", "JsonObject", "OpRequest", "StatusRequest", "KeyRequest", "LookupRequest",
@@ -287,10 +287,11 @@ class RefreshResult(TypedDict, total=False):
 # of ``_common.protocol``: ``fork`` `ForkRequest` + stdin, stdout, stderr fds -> `ForkReply` + a
 # pidfd, later one `ExitReport` on the same connection once reaped; ``status`` -> `ZygoteStatus`;
 # ``replace`` -> `ReplaceReply` (Note [Replacing a zygote]); ``owner`` -> `OkReply` (Note [Owners]);
-# any may be refused: `ZygoteRefusal` (``ok: false``, ``reason``).
+# ``check`` -> `OkReply` (Note [Checked while the old kernel exits]); any may be refused:
+# `ZygoteRefusal` (``ok: false``, ``reason``).
 
 #: The zygote's operations, as the ``"op"`` of a request.
-ZygoteOp = Literal["fork", "status", "replace", "owner"]
+ZygoteOp = Literal["fork", "status", "replace", "owner", "check"]
 ZYGOTE_OPS: tuple[ZygoteOp, ...] = get_args(ZygoteOp)
 
 
@@ -304,10 +305,13 @@ class ForkRequest(TypedDict):
     watch_parent: bool
     #: the requester's process attributes (``_common.inherit.observe``); empty: the zygote's
     inherit: JsonObject
+    #: ``time.monotonic()`` at the restart request: a staleness check that began then or later
+    #: stands for this fork's (Note [Checked while the old kernel exits])
+    checked_since: NotRequired[float]
 
 
 class ZygoteOpRequest(TypedDict):
-    op: Literal["status", "replace", "owner"]
+    op: Literal["status", "replace", "owner", "check"]
 
 
 ZygoteRequest = ForkRequest | ZygoteOpRequest

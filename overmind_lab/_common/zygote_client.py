@@ -138,17 +138,30 @@ def ask(sock_path: Path, request: ZygoteOpRequest, timeout: float = 5.0) -> Zygo
         sock.close()
 
 
+def check_early(cmd: list[str], env: dict[str, str]) -> None:
+    """Note [Checked while the old kernel exits]: have the zygote for ``cmd`` check its
+    preloaded files now (blocking; every failure ignored: the fork then checks)."""
+    try:
+        ask(ZygotePaths.for_launch(cmd[0], env).socket, {"op": "check"})
+    except (OvermindError, OSError, ValueError):
+        pass
+
+
 def request_fork(cmd: list[str], env: dict[str, str], cwd: str,
                  stdio: list[int], watch_parent: bool,
-                 attributes: JsonObject | None = None) -> WarmKernel:
+                 attributes: JsonObject | None = None,
+                 checked_since: float | None = None) -> WarmKernel:
     """Ask the zygote for ``cmd`` (blocking), starting one when none runs. ``attributes``
-    (``inherit.observe()``) are what the kernel takes on; ``None``: the zygote's own."""
+    (``inherit.observe()``) are what the kernel takes on; ``None``: the zygote's own.
+    ``checked_since``: Note [Checked while the old kernel exits]."""
     if not sys.platform.startswith("linux"):
         raise WarmUnavailable(f"warm kernels need Linux (this is {sys.platform})")
     paths = ZygotePaths.for_launch(cmd[0], env)
     paths.wait_while_booting(zygote_boot_wait_seconds(env))  # Note [Waiting for a booting zygote]
     request: ForkRequest = {"op": "fork", "argv": cmd, "env": env, "cwd": cwd,
                             "watch_parent": watch_parent, "inherit": attributes or {}}
+    if checked_since is not None:
+        request["checked_since"] = checked_since
     for attempt in (1, 2):
         inode = _inode(paths.socket)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)

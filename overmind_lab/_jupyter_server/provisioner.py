@@ -32,6 +32,7 @@ from overmind_lab._common import inherit
 from overmind_lab._common.zygote_client import (
     WarmKernel,
     WarmUnavailable,
+    check_early,
     kernel_argv,
     request_fork,
     timeline,
@@ -80,6 +81,11 @@ class WarmProvisioner(LocalProvisioner):
     #: Note [Exit on the pidfd]: set by ``shutdown_requested``, cleared by the next launch.
     _shutting_down: bool = False
     _warm_exit: asyncio.Future[None] | None = None
+    #: Note [Checked while the old kernel exits]: the last warm launch's command and env, and
+    #: when a restart of it was requested (``time.monotonic()``).
+    _launched: tuple[list[str], dict[str, str]] | None = None
+    _restart_since: float | None = None
+    _early_check: asyncio.Future[None] | None = None
 
     @property
     def has_process(self) -> bool:
@@ -93,6 +99,7 @@ class WarmProvisioner(LocalProvisioner):
         if watch_parent:
             env["JPY_PARENT_PID"] = str(os.getpid())  # as jupyter_client's launcher does
         self._shutting_down = False
+        checked_since, self._restart_since = self._restart_since, None
         self._drop_warm()  # a previous kernel not waited for: its pidfd and reader go
         timeline("provisioner.launch.start", env)
         t0 = time.perf_counter()
@@ -102,7 +109,7 @@ class WarmProvisioner(LocalProvisioner):
             stdio = _stdio_fds(kwargs)
             try:
                 warm = await asyncio.to_thread(request_fork, cmd, env, cwd, stdio,
-                                               watch_parent, attributes)
+                                               watch_parent, attributes, checked_since)
             finally:
                 for fd in stdio:
                     os.close(fd)
@@ -112,6 +119,7 @@ class WarmProvisioner(LocalProvisioner):
             timeline("provisioner.launch.end", env, warm=False)
             return info
         self.warm = warm
+        self._launched = (cmd, env)
         self.pid = self.pgid = warm.pid
         self.cwd = cwd
         timeline("provisioner.launch.end", env, warm=True, kernel=warm.pid)
@@ -122,6 +130,12 @@ class WarmProvisioner(LocalProvisioner):
     async def shutdown_requested(self, restart: bool = False) -> None:
         self._shutting_down = True
         timeline("provisioner.shutdown_requested", restart=restart)
+        if restart and self.warm is not None and self._launched is not None:
+            # Note [Checked while the old kernel exits]: the zygote checks its files while
+            # the old kernel shuts down; the launch says since when that check counts.
+            self._restart_since = time.monotonic()
+            self._early_check = asyncio.ensure_future(
+                asyncio.to_thread(check_early, *self._launched))
         await super().shutdown_requested(restart)
 
     async def _until_exit(self, warm: WarmKernel, timeout: float | None) -> None:
