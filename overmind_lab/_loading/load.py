@@ -38,7 +38,6 @@ from overmind_lab._loading.pickling import (
     set_hook_counter,
 )
 from overmind_lab._loading.segments import map_segment, write_segment
-from overmind_lab._loading.sources import SourceFile, SourceMap
 
 if TYPE_CHECKING:
     from overmind_lab._common.messages import WireEntry
@@ -449,6 +448,7 @@ def _store(session: Session, info: _keys.KeyInfo, result: Any, cold: float,
            hooks_taken: tuple[int, int]) -> None:
     """Park ``result`` in a new segment (Note [Never worse than plain])."""
     from overmind_lab._errors import ProtocolError
+    from overmind_lab._loading.sources import SourceFile, SourceMap  # stores only
 
     t0 = time.perf_counter()
     by_id = {id(v): k for k, v in components.items()}

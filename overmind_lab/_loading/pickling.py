@@ -27,11 +27,13 @@ import types
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from overmind_lab._errors import NotCacheable
 from overmind_lab._loading.segments import Mapping, find_mapping
-from overmind_lab._loading.sources import SourceFile, SourceMap
+
+if TYPE_CHECKING:  # a store's only (a warm hit does not import it: first-call cost)
+    from overmind_lab._loading.sources import SourceFile, SourceMap
 
 __all__ = ["WritePlan", "dump", "load_stream", "ALIGN"]
 
@@ -82,6 +84,8 @@ class WritePlan:
 
     @property
     def files(self) -> list[SourceFile]:
+        from overmind_lab._loading.sources import SourceFile
+
         return [r for r in self.refs if isinstance(r, SourceFile)]
 
     def ref_index(self, mapping: Mapping | SourceFile) -> int:
