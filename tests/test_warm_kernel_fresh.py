@@ -334,7 +334,8 @@ def test_a_warm_kernel_observes_what_a_fresh_one_does(lab: dict[str, Any],
     assert warm["environ"].get("PYDEVD_USE_FRAME_EVAL") == "NO"
     assert warm["environ_after_imports"] == plain["environ_after_imports"]
     differences = "\n".join(status["differences"])
-    for what in ("parent pid", "cmdline", "hash seed", "pidfd", "parent-watch"):
+    for what in ("parent pid", "cmdline", "hash seed", "pidfd", "parent-watch",
+                 "iopub_welcome", "ports listen"):
         assert what in differences
     for key in status["import_env"]:
         assert key in differences

@@ -73,6 +73,10 @@ INTENDED_DIFFERENCES = (
     "one extra descriptor, a pidfd of the Jupyter server, and a thread "
     "'overmind-lab-parent-watch' in place of ipykernel's parent poller",
     "modules imported by the zygote are already in sys.modules",
+    "iopub welcomes every subscriber (XPUB_VERBOSE: an iopub_welcome each time a client "
+    "subscribes, not only the first; Note [Every subscriber welcomed])",
+    "the kernel's TCP ports listen from the fork on, before ipykernel binds them (Note [Ports "
+    "bound at the fork])",
     "a preloaded numpy's BLAS thread pool (sized for the kernel: Note [BLAS threads]) runs "
     "from the start; a fresh kernel starts it when it imports numpy",
 )
