@@ -325,9 +325,14 @@ def _check_stale(state: _State) -> str | None:
     return None
 
 
-def _refuse(state: _State, request: ForkRequest) -> str | None:
-    if state.retiring:
-        return f"the zygote is retiring ({state.retiring})"
+def _retiring(state: _State) -> str | None:
+    return f"the zygote is retiring ({state.retiring})" if state.retiring else None
+
+
+def _refuse(state: _State, request: ForkRequest, env: dict[str, str]) -> str | None:
+    retiring = _retiring(state)
+    if retiring:
+        return retiring
     if state.refusal:
         return state.refusal
     argv = [str(a) for a in request.get("argv", [])]
@@ -335,7 +340,6 @@ def _refuse(state: _State, request: ForkRequest) -> str | None:
         return f"the kernel command is not `python -m MODULE ...`: {argv}"
     if os.path.realpath(argv[0]) != os.path.realpath(sys.executable):
         return f"the kernel's interpreter {argv[0]} is not the zygote's {sys.executable}"
-    env = {str(k): str(v) for k, v in dict(request.get("env", {})).items()}
     if identity(argv[0], env) != state.paths.ident:
         return "the kernel's import-relevant environment differs from the zygote's"
     since = request.get("checked_since")
@@ -387,7 +391,7 @@ def _handle_fork(state: _State, conn: socket.socket, chan: Channel,
     the child never returns (Note [Leaving the zygote's loop] in ``_forked/become.py``)."""
     env = {str(k): str(v) for k, v in dict(request.get("env", {})).items()}
     timeline("zygote.fork_request", env)
-    why = _refuse(state, request)
+    why = _refuse(state, request, env)
     timeline("zygote.checked", env, files=len(state.snap),
              checked_since=request.get("checked_since"), checked_at=state.checked_at)
     if why or len(fds) != 3:
@@ -573,9 +577,9 @@ def _serve_conn(state: _State, conn: socket.socket) -> None:
         ok: OkReply = {"ok": True}
         chan.send(ok)
     elif op == "check":
-        stale = state.retiring or _check_stale(state)
-        if stale:
-            _refused(chan, stale)
+        why = _retiring(state) or _check_stale(state)
+        if why:
+            _refused(chan, why)
         else:
             chan.send({"ok": True})
     else:
