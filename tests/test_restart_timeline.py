@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,14 +20,11 @@ from typing import Any
 import pytest
 
 from overmind_lab._common.zygote_client import TIMELINE_ENV, timeline
-from overmind_lab._jupyter_server import kernelspec as spec
 from tests.test_warm_kernel import (
-    LAUNCH_ENV,
-    PRELOAD,
     Kernel,
     _alive,
-    _kill_ours,
     _wait_for,
+    private_zygote_dir,
     ready_zygote,
 )
 
@@ -57,23 +53,11 @@ def timed_zygote() -> Iterator[Path]:
     """A private zygote directory with its zygote; yields the timeline file."""
     if not sys.platform.startswith("linux"):
         pytest.skip("Linux only")
-    with tempfile.TemporaryDirectory(prefix="olt-", dir="/tmp") as d:
-        mp = pytest.MonkeyPatch()
-        try:
-            mp.setenv("OVERMIND_LAB_SOCKET", f"{d}/d.sock")
-            mp.setenv("OVERMIND_LAB_PRELOAD", PRELOAD)
-            mp.setenv("JUPYTER_PATH", f"{d}/prefix/share/jupyter")
-            mp.setenv(TIMELINE_ENV, f"{d}/timeline.jsonl")
-            spec.install(prefix=f"{d}/prefix")
-            LAUNCH_ENV.clear()
-            LAUNCH_ENV.update(os.environ)
-            first = Kernel()  # plain: it starts the zygote
-            first.close()
-            ready_zygote(Path(d))
-            yield Path(d) / "timeline.jsonl"
-        finally:
-            _kill_ours(d)
-            mp.undo()
+    with private_zygote_dir("olt-", files_env={TIMELINE_ENV: "timeline.jsonl"}) as d:
+        first = Kernel()  # plain: it starts the zygote
+        first.close()
+        ready_zygote(d)
+        yield d / "timeline.jsonl"
 
 
 def _events_since(path: Path, t0: float) -> list[dict[str, Any]]:

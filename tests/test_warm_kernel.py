@@ -22,6 +22,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -163,16 +164,21 @@ class Kernel:
             self.km.shutdown_kernel(now=False)
 
 
-@pytest.fixture(scope="module")
-def warm_dir() -> Iterator[Path]:
-    """A private zygote directory, the warm kernelspec installed under it."""
-    with tempfile.TemporaryDirectory(prefix="olw-", dir="/tmp") as d:
+@contextmanager
+def private_zygote_dir(prefix: str, spec_env: dict[str, str] | None = None,
+                       files_env: dict[str, str] | None = None) -> Iterator[Path]:
+    """A private zygote directory: the daemon socket and the warm kernelspec under it, the
+    test preload set, ``files_env`` (variable -> file name in the directory) set, and
+    :data:`LAUNCH_ENV` fixed; every process of ours under it killed at exit."""
+    with tempfile.TemporaryDirectory(prefix=prefix, dir="/tmp") as d:
         mp = pytest.MonkeyPatch()
         try:
             mp.setenv("OVERMIND_LAB_SOCKET", f"{d}/d.sock")
             mp.setenv("OVERMIND_LAB_PRELOAD", PRELOAD)
             mp.setenv("JUPYTER_PATH", f"{d}/prefix/share/jupyter")
-            spec.install(prefix=f"{d}/prefix", env={"OVERMIND_TEST_SPEC_VAR": "from-spec"})
+            for name, file in (files_env or {}).items():
+                mp.setenv(name, f"{d}/{file}")
+            spec.install(prefix=f"{d}/prefix", env=spec_env)
             # The environment a server would pass: fixed now, since imports in this
             # process (torch sets KMP_DUPLICATE_LIB_OK) would change the zygote identity.
             LAUNCH_ENV.clear()
@@ -181,6 +187,13 @@ def warm_dir() -> Iterator[Path]:
         finally:
             _kill_ours(d)
             mp.undo()
+
+
+@pytest.fixture(scope="module")
+def warm_dir() -> Iterator[Path]:
+    """A private zygote directory, the warm kernelspec installed under it."""
+    with private_zygote_dir("olw-", spec_env={"OVERMIND_TEST_SPEC_VAR": "from-spec"}) as d:
+        yield d
 
 
 @pytest.fixture(scope="module")
