@@ -67,6 +67,39 @@ def test_stored_by_one_process_loaded_bit_equal_by_another_without_copy(
     assert entry["name"] == f"UNet2DConditionModel.from_pretrained({str(tiny_unet_dir)!r})"
 
 
+# A fresh process's first warm hit, watching what it imports and which dataclasses it defines.
+FIRST_HIT = """
+import dataclasses, json, sys, torch
+from diffusers import UNet2DConditionModel
+import overmind_lab
+defined = []
+real = dataclasses._process_class
+def spy(cls, *args, **kwargs):
+    defined.append(f"{{cls.__module__}}.{{cls.__qualname__}}")
+    return real(cls, *args, **kwargs)
+dataclasses._process_class = spy
+before = set(sys.modules)
+with overmind_lab.record_loads() as events:
+    overmind_lab.load(UNet2DConditionModel.from_pretrained, {path!r})
+print(json.dumps({{"outcome": events[-1].outcome, "defined": defined,
+                  "imported": sorted(set(sys.modules) - before)}}))
+"""
+
+
+@pytest.mark.slow
+def test_a_first_warm_hit_imports_only_the_hit_path(daemon: Client, tiny_unet_dir: Path) -> None:
+    """Note [A first call's imports]: the store-only modules stay out, and no module on the way
+    defines a dataclass (~0.4 ms each, paid by every fresh process's first load)."""
+    run_py(LOAD_UNET.format(path=str(tiny_unet_dir)))  # cold: stores
+    first = last_json(run_py(FIRST_HIT.format(path=str(tiny_unet_dir))))
+    assert first["outcome"] == "warm"
+    ours = [m for m in first["imported"] if m.startswith("overmind_lab")]
+    assert "overmind_lab._loading.load" in ours  # the spy saw the machinery's import
+    for store_only in ("sources", "background"):
+        assert f"overmind_lab._loading.{store_only}" not in ours
+    assert [d for d in first["defined"] if d.startswith("overmind_lab")] == []
+
+
 @pytest.mark.slow
 def test_in_place_write_is_invisible_to_other_processes(daemon: Client,
                                                         tiny_unet_dir: Path) -> None:

@@ -22,7 +22,6 @@ import re
 import sys
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,15 +40,24 @@ _SOURCE_PARAMS = ("pretrained_model_name_or_path", "pretrained_model_link_or_pat
                   "path", "model_path")
 
 
-@dataclass
 class KeyInfo:
-    key: str
-    name: str
-    callable: str
-    source: str | None
-    call: ReplaySpec | None  # None when the call cannot be replayed
-    #: what a restarted daemon checks before serving it: source signature, versions, python
-    validate: dict[str, Any] | None = None
+    """A call's cache key and what else a store records of the call."""
+
+    __slots__ = ("key", "name", "callable", "source", "call", "validate")
+
+    # Not a ``@dataclass``: Note [A first call's imports] in ``load.py``.
+    def __init__(self, key: str, name: str, callable: str, source: str | None,
+                 call: ReplaySpec | None, validate: dict[str, Any] | None = None) -> None:
+        self.key = key
+        self.name = name
+        self.callable = callable
+        self.source = source
+        self.call = call  # None when the call cannot be replayed
+        #: what a restarted daemon checks before serving it: source signature, versions, python
+        self.validate = validate
+
+    def __repr__(self) -> str:
+        return f"KeyInfo(key={self.key!r}, name={self.name!r}, callable={self.callable!r})"
 
 
 # -- objects that came from the cache ---------------------------------------------------

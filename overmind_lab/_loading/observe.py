@@ -11,7 +11,6 @@ import logging
 import random
 import sys
 import warnings
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
@@ -67,12 +66,26 @@ def restore(state: dict[str, Any]) -> None:
 
 
 # -- warnings and log records -----------------------------------------------------------
-@dataclass
 class Observed:
     """Warnings and log records of one load, JSON-able (stored with the entry)."""
 
-    warnings: list[dict[str, Any]] = field(default_factory=list)
-    logs: list[dict[str, Any]] = field(default_factory=list)
+    __slots__ = ("warnings", "logs")
+
+    # Not a ``@dataclass``: Note [A first call's imports] in ``load.py``.
+    def __init__(self, warnings: list[dict[str, Any]] | None = None,
+                 logs: list[dict[str, Any]] | None = None) -> None:
+        self.warnings: list[dict[str, Any]] = [] if warnings is None else warnings
+        self.logs: list[dict[str, Any]] = [] if logs is None else logs
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Observed):
+            return NotImplemented
+        return (self.warnings, self.logs) == (other.warnings, other.logs)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as a dataclass's
+
+    def __repr__(self) -> str:
+        return f"Observed(warnings={self.warnings!r}, logs={self.logs!r})"
 
     def to_json(self) -> dict[str, Any]:
         return {"warnings": self.warnings, "logs": self.logs}

@@ -26,7 +26,6 @@ import threading
 import types
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from overmind_lab._errors import NotCacheable
@@ -53,27 +52,30 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-@dataclass
 class WritePlan:
     """Where each storage goes. Segment 0 is the new one; 1.. are references: cached segments, or
     source files whose unchanged regions storages are (``sources.py``)."""
 
-    size: int = 0
-    items: list[tuple[int, Any]] = field(default_factory=list)
-    keep_alive: list[Any] = field(default_factory=list)
-    refs: list[Mapping | SourceFile] = field(default_factory=list)
-    sources: SourceMap | None = None
-    #: source files not to reference (the daemon could not link them): copy instead
-    exclude: frozenset[str] = frozenset()
-    source_bytes: int = 0
-    seen: dict[tuple[int, int, str], tuple[int, int]] = field(default_factory=dict)
-    buffers: list[tuple[int, int, int]] = field(default_factory=list)
-    tensors: int = 0
-    shared_bytes: int = 0
-    #: a module with hooks, or a hook handle, is in the stream (Note [Hook ids])
-    hooks: bool = False
-    #: the classes and functions the stream names (for ``user_code.graph_code``)
-    classes: list[Any] = field(default_factory=list)
+    # A plain class, not a ``@dataclass``: this module is on a warm hit's import path, and a
+    # dataclass costs ~0.4 ms to define (Note [A first call's imports] in ``load.py``).
+    def __init__(self, sources: SourceMap | None = None,
+                 exclude: frozenset[str] = frozenset()) -> None:
+        self.size = 0
+        self.items: list[tuple[int, Any]] = []
+        self.keep_alive: list[Any] = []
+        self.refs: list[Mapping | SourceFile] = []
+        self.sources = sources
+        #: source files not to reference (the daemon could not link them): copy instead
+        self.exclude = exclude
+        self.source_bytes = 0
+        self.seen: dict[tuple[int, int, str], tuple[int, int]] = {}
+        self.buffers: list[tuple[int, int, int]] = []
+        self.tensors = 0
+        self.shared_bytes = 0
+        #: a module with hooks, or a hook handle, is in the stream (Note [Hook ids])
+        self.hooks = False
+        #: the classes and functions the stream names (for ``user_code.graph_code``)
+        self.classes: list[Any] = []
 
     def place(self, data: Any, nbytes: int, phase: int = 0) -> int:
         """Put ``nbytes`` of ``data`` at the next offset that is ``phase`` modulo ``ALIGN``."""

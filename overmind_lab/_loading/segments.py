@@ -23,7 +23,6 @@ import os
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from overmind_lab import _native
@@ -106,15 +105,21 @@ def _pwritev_all(fd: int, pieces: list[memoryview], offset: int) -> None:
             pieces[first] = pieces[first][n:]
 
 
-@dataclass(eq=False)
 class Mapping:
     """A private (copy-on-write) mapping of one sealed segment."""
 
-    segment_id: str
-    size: int
-    mm_ref: weakref.ref[mmap.mmap]
-    address: int
-    fd: int
+    # Not a ``@dataclass``: Note [A first call's imports] in ``load.py``. Compared by identity.
+    def __init__(self, segment_id: str, size: int, mm_ref: weakref.ref[mmap.mmap], address: int,
+                 fd: int) -> None:
+        self.segment_id = segment_id
+        self.size = size
+        self.mm_ref = mm_ref
+        self.address = address
+        self.fd = fd
+
+    def __repr__(self) -> str:
+        return (f"Mapping(segment_id={self.segment_id!r}, size={self.size}, "
+                f"address={self.address:#x}, fd={self.fd})")
 
     @property
     def mm(self) -> mmap.mmap:
