@@ -82,20 +82,31 @@ def test_a_restart_runs_the_old_kernels_atexit_and_writes_its_timeline(
         first = {}
         for e in events:
             first.setdefault(e["event"], e)
-        for name in ("provisioner.shutdown_requested", "child.exit", "provisioner.exit_seen",
-                     "provisioner.launch.start", "zygote.fork_request", "zygote.forked",
-                     "child.become", "zygote.fork_reply", "provisioner.launch.end",
+        for name in ("provisioner.shutdown_requested", "provisioner.standby", "child.exit",
+                     "provisioner.exit_seen", "provisioner.launch.start", "zygote.fork_request",
+                     "zygote.forked", "child.become", "zygote.fork_reply", "child.standby",
+                     "provisioner.standby_go", "child.go", "provisioner.launch.end",
                      "child.run_module"):
             assert name in first, (name, events)
         assert first["child.exit"]["pid"] == old
-        assert first["child.become"]["pid"] == k.pid
+        # Note [A standby for the restart]: the new kernel was forked as the old one was asked
+        # to shut down, and started its sockets once the launch told it to go
+        assert first["zygote.fork_request"]["standby"] is True
+        for name in ("child.become", "child.run_module", "child.standby", "child.go"):
+            assert first[name]["pid"] == k.pid, (name, first[name])
+        assert first["provisioner.standby_go"]["kernel"] == k.pid
         assert set(first["child.become"]["steps"]) >= {"inherit", "import_caches", "threads"}
-        # Note [Checked while the old kernel exits]: the fork relied on the early check
-        checked = first["zygote.checked"]
-        assert checked["checked_since"] is not None
-        assert checked["checked_at"] >= checked["checked_since"], checked
-        order = ["provisioner.shutdown_requested", "child.exit", "provisioner.exit_seen",
-                 "provisioner.launch.start", "zygote.forked", "provisioner.launch.end"]
+        # Note [Ports bound at the fork]: shell, iopub, stdin and control
+        assert len(first["child.go"]["ports"]) == 4, first["child.go"]
+        # Note [Checked while the old kernel exits]: the zygote checked its files for this fork
+        # after the restart was requested
+        assert first["zygote.checked"]["checked_at"] is not None
+        order = ["provisioner.shutdown_requested", "provisioner.standby", "zygote.forked",
+                 "child.standby"]
+        times = [first[name]["t"] for name in order]
+        assert times == sorted(times), list(zip(order, times, strict=True))
+        order = ["child.exit", "provisioner.exit_seen", "provisioner.launch.start",
+                 "provisioner.standby_go", "child.go"]
         times = [first[name]["t"] for name in order]
         assert times == sorted(times), list(zip(order, times, strict=True))
     finally:
@@ -171,11 +182,43 @@ def test_every_iopub_subscriber_is_welcomed_and_the_zygotes_finalizers_stay_its_
         t0 = time.time()
         k.restart()
         assert marker.read_text() == "ran"
-        become = [e for e in _events_since(timed_zygote, t0) if e["event"] == "child.become"]
-        assert become and "ports" in become[-1]["steps"], become
+        go = [e for e in _events_since(timed_zygote, t0) if e["event"] == "child.go"]
+        assert go and go[-1]["ports"], go
     finally:
         for sub in subs:
             sub.close()
+        k.close()
+
+
+@pytest.mark.slow
+def test_a_standby_forked_for_another_launch_exits_and_the_launch_forks_its_own(
+        timed_zygote: Path, tmp_path: Path) -> None:
+    """Note [A standby for the restart]: a restart whose launch differs from the last one (here
+    its environment: the server may pass another on each launch) is not the launch the standby
+    was forked for. The standby exits without starting (no ``go``), and the launch forks a
+    kernel of its own, which has the new environment."""
+    k = Kernel(cwd=str(tmp_path))
+    try:
+        assert k.warm, k.log_text()
+        old = k.pid
+        launch_env = k.km._launch_args["env"]
+        k.km._launch_args["env"] = {**launch_env, "OVERMIND_TEST_LAUNCH": "second"}
+        t0 = time.time()
+        k.restart()
+        assert k.warm and k.pid != old, k.log_text()
+        events = _events_since(timed_zygote, t0)
+        [dropped] = [e for e in events if e["event"] == "provisioner.standby_dropped"]
+        assert "differs" in dropped["reason"], dropped
+        standby = dropped["kernel"]
+        assert standby not in (old, k.pid)
+        _wait_for(lambda: not _alive(standby), 30, "the dropped standby to exit")
+        assert [e["pid"] for e in events if e["event"] == "child.standby"] in ([], [standby])
+        assert [e["pid"] for e in events if e["event"] == "child.go"] == []
+        forks = [e for e in events if e["event"] == "zygote.fork_request"]
+        assert [e["standby"] for e in forks] == [True, False]
+        assert k.run("import os; print(os.environ.get('OVERMIND_TEST_LAUNCH'))").strip() == \
+            "second"
+    finally:
         k.close()
 
 

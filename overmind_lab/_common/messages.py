@@ -308,6 +308,9 @@ class ForkRequest(TypedDict):
     #: ``time.monotonic()`` at the restart request: a staleness check that began then or later
     #: stands for this fork's (Note [Checked while the old kernel exits])
     checked_since: NotRequired[float]
+    #: Note [A standby for the restart]: fork now, and let the kernel bind its ports and go on
+    #: only once the requester writes ``go`` on the descriptor the reply carries after the pidfd
+    standby: NotRequired[bool]
 
 
 class ZygoteOpRequest(TypedDict):

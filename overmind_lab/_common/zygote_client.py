@@ -33,13 +33,21 @@ from overmind_lab._common.zygote_paths import (
 )
 from overmind_lab._errors import OvermindError
 
-__all__ = ["LAUNCHER_MODULE", "KERNEL_MODULE", "kernel_argv", "WarmUnavailable", "WarmKernel",
-           "ask", "request_fork", "spawn", "user_env", "TIMELINE_ENV", "timeline"]
+__all__ = ["LAUNCHER_MODULE", "KERNEL_MODULE", "IPYKERNEL_MAINS", "is_ipykernel", "kernel_argv",
+           "WarmUnavailable", "WarmKernel", "ask", "request_fork", "spawn", "user_env",
+           "TIMELINE_ENV", "timeline", "read_pipe"]
 
 #: The warm kernelspec's argv runs this module (``_launcher``).
 LAUNCHER_MODULE = "overmind_lab._launcher"
 #: What a warm kernel runs: ipykernel's own ``-m`` module.
 KERNEL_MODULE = "ipykernel_launcher"
+#: The ``-m`` modules that run ipykernel.
+IPYKERNEL_MAINS = (KERNEL_MODULE, "ipykernel")
+
+
+def is_ipykernel(argv: list[str]) -> bool:
+    """Whether ``argv`` (``python -m MODULE ...``) runs ipykernel."""
+    return len(argv) >= 3 and argv[1] == "-m" and argv[2] in IPYKERNEL_MAINS
 
 _CONNECT_TIMEOUT = 5.0
 _FORK_TIMEOUT = 20.0
@@ -72,6 +80,27 @@ def timeline(event: str, env: dict[str, str] | None = None, **extra: object) -> 
         pass
 
 
+def read_pipe(fd: int, seconds: float, until: bytes | None = None) -> bytes | None:
+    """Read the pipe ``fd`` to its end, or until the bytes read equal ``until``, within
+    ``seconds`` (``None`` if the time ran out first); ``fd`` is closed."""
+    data = b""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    deadline = time.monotonic() + seconds
+    try:
+        while data != until:
+            left = deadline - time.monotonic()
+            if left <= 0 or not poller.poll(left * 1000):
+                return None
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            data += chunk
+        return data
+    finally:
+        os.close(fd)
+
+
 class WarmUnavailable(OvermindError):
     """The warm path cannot serve this launch; the message says why."""
 
@@ -79,11 +108,25 @@ class WarmUnavailable(OvermindError):
 class WarmKernel:
     """A forked kernel: its pid, a pidfd, and the zygote connection that reports its exit."""
 
-    def __init__(self, pid: int, pidfd: int, chan: Channel) -> None:
+    def __init__(self, pid: int, pidfd: int, chan: Channel, go_fd: int | None = None) -> None:
         self.pid = pid
         self.pidfd = pidfd
         self.chan = chan
         self.exit_code: int | None = None
+        #: a standby's, until :meth:`go` or :meth:`close` (Note [A standby for the restart])
+        self.go_fd = go_fd
+
+    def go(self) -> bool:
+        """Let a standby bind its ports and start; whether it was still there to be told."""
+        fd, self.go_fd = self.go_fd, None
+        if fd is None:
+            return False
+        try:
+            return os.write(fd, b"go") == 2
+        except OSError:  # it exited (BrokenPipe): its exit is reported as any kernel's
+            return False
+        finally:
+            os.close(fd)
 
     def exited(self) -> bool:
         return bool(select.select([self.pidfd], [], [], 0)[0])
@@ -118,6 +161,10 @@ class WarmKernel:
             pass
 
     def close(self) -> None:
+        """Forget the kernel (a standby not told to go exits: its go descriptor closes)."""
+        if self.go_fd is not None:
+            os.close(self.go_fd)
+            self.go_fd = None
         os.close(self.pidfd)
         self.chan.sock.close()
 
@@ -150,10 +197,11 @@ def check_early(cmd: list[str], env: dict[str, str]) -> None:
 def request_fork(cmd: list[str], env: dict[str, str], cwd: str,
                  stdio: list[int], watch_parent: bool,
                  attributes: JsonObject | None = None,
-                 checked_since: float | None = None) -> WarmKernel:
+                 checked_since: float | None = None, standby: bool = False) -> WarmKernel:
     """Ask the zygote for ``cmd`` (blocking), starting one when none runs. ``attributes``
     (``inherit.observe()``) are what the kernel takes on; ``None``: the zygote's own.
-    ``checked_since``: Note [Checked while the old kernel exits]."""
+    ``checked_since``: Note [Checked while the old kernel exits]. ``standby``: a kernel that
+    waits for :meth:`WarmKernel.go` (Note [A standby for the restart])."""
     if not sys.platform.startswith("linux"):
         raise WarmUnavailable(f"warm kernels need Linux (this is {sys.platform})")
     paths = ZygotePaths.for_launch(cmd[0], env)
@@ -162,6 +210,8 @@ def request_fork(cmd: list[str], env: dict[str, str], cwd: str,
                             "watch_parent": watch_parent, "inherit": attributes or {}}
     if checked_since is not None:
         request["checked_since"] = checked_since
+    if standby:
+        request["standby"] = True
     for attempt in (1, 2):
         inode = _inode(paths.socket)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -170,6 +220,8 @@ def request_fork(cmd: list[str], env: dict[str, str], cwd: str,
             sock.connect(str(paths.socket))
         except OSError as exc:
             sock.close()
+            if standby:  # the launch's own request starts one
+                raise WarmUnavailable(f"no zygote is running ({exc.strerror})") from exc
             spawn(paths, owners=[os.getpid()], env=env)
             raise WarmUnavailable(f"no zygote was running ({exc.strerror}); started one "
                                   "for the next launch") from exc
@@ -185,21 +237,22 @@ def request_fork(cmd: list[str], env: dict[str, str], cwd: str,
             if attempt == 1 and inode is not None and _inode(paths.socket) not in (None, inode):
                 continue
             raise WarmUnavailable(f"the zygote failed to answer: {exc}") from exc
-    if not reply.get("ok") or len(fds) != 1:
+    if not reply.get("ok") or len(fds) != 1 + standby:
         for fd in fds:
             os.close(fd)
         sock.close()
         reason = str(cast(ZygoteRefusal, reply).get("reason") or "no reason given")
-        if "stale" in reason:
+        if "stale" in reason and not standby:  # a standby's launch asks again
             spawn(paths, owners=[os.getpid()], env=env)
             reason += "; started a fresh zygote for the next launch"
         raise WarmUnavailable(f"the zygote refused to fork: {reason}")
     pid = cast(ForkReply, reply).get("pid")
     if not isinstance(pid, int):
-        os.close(fds[0])
+        for fd in fds:
+            os.close(fd)
         sock.close()
         raise WarmUnavailable(f"the zygote answered a fork without a pid: {reply!r}")
-    return WarmKernel(pid, fds[0], chan)
+    return WarmKernel(pid, fds[0], chan, fds[1] if standby else None)
 
 
 def _inode(path: Path) -> int | None:

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from overmind_lab._common import inherit, learned
-from overmind_lab._common.zygote_client import timeline
+from overmind_lab._common.zygote_client import is_ipykernel, read_pipe, timeline
 from overmind_lab._forked import ports
 
 __all__ = ["ForkTask", "run_and_exit", "run", "become", "exit_now", "tqdm_classes",
@@ -62,6 +62,8 @@ class ForkTask:
     ready_fd: int | None = None
     #: Set at start if the kernel's env lacks them (Note [Environment set at import]).
     start_env: dict[str, str] = field(default_factory=dict)
+    #: A standby's: ``go`` arrives here (Note [A standby for the restart]); ``None``: go at once.
+    go_fd: int | None = None
 
 
 
@@ -81,8 +83,8 @@ INTENDED_DIFFERENCES = (
     "from the start; a fresh kernel starts it when it imports numpy",
 )
 
-#: Modules whose start-up ignores SIGINT once ready (Note [Interrupted at birth]).
-_IPYKERNEL_MAINS = ("ipykernel_launcher", "ipykernel")
+#: Note [A standby for the restart]: how long a standby waits for its ``go`` at most.
+STANDBY_SECONDS = 120.0
 
 
 def _starting_sigint(signum: int, frame: object) -> None:
@@ -255,6 +257,38 @@ def _welcome_every_subscriber() -> None:
     thread_cls._setup_xpub_listener = _setup_xpub_listener
 
 
+def _standby_until_go(task: ForkTask) -> None:
+    """Note [A standby for the restart]: ipykernel starts as far as binding its sockets and
+    waits there for ``go`` (the old kernel holds the ports until it exits). A short-lived thread
+    waits for ``go`` meanwhile and binds the ports the moment it comes (Note [Ports bound at the
+    fork]), so that the server's sockets, which connect right after the launch, are not refused
+    and left to libzmq's 100-200 ms reconnect timer. Without ``go`` the child exits at once and
+    quietly: nothing of the user's has run. More in docs/notes.md."""
+    app_cls: Any = sys.modules["ipykernel.kernelapp"].IPKernelApp
+    original = app_cls.__dict__["init_sockets"]
+    go_fd = task.go_fd
+    assert go_fd is not None
+    went: list[list[int]] = []
+
+    def wait() -> None:
+        if read_pipe(go_fd, STANDBY_SECONDS, until=b"go") == b"go":
+            went.append(ports.bind_kernel_ports(task.argv[3:]))
+            timeline("child.go", task.env, ports=went[0])
+
+    waiter = threading.Thread(target=wait, name="overmind-lab-standby", daemon=True)
+    waiter.start()
+
+    def init_sockets(self: Any) -> None:
+        app_cls.init_sockets = original  # the class as ipykernel made it, from here on
+        timeline("child.standby", task.env)
+        waiter.join()  # gone before ipykernel starts a thread of its own
+        if not went:
+            os._exit(0)
+        original(self)
+
+    app_cls.init_sockets = init_sockets
+
+
 def _learn_at_exit(task: ForkTask) -> None:
     def learn() -> None:
         # Note [Learning at exit]: only the modules the zygote did not preload are looked at (a
@@ -306,10 +340,13 @@ def become(task: ForkTask) -> None:
         os.dup2(fd, target)
         if fd > 2:
             os.close(fd)
-    kernel = task.argv[2] in _IPYKERNEL_MAINS and "ipykernel.kernelapp" in sys.modules
+    # Modules whose start-up ignores SIGINT once ready (Note [Interrupted at birth]).
+    kernel = is_ipykernel(task.argv) and "ipykernel.kernelapp" in sys.modules
     _reset_signals(ipykernel=kernel, ignored=task.inherit.get("ignored_signals", ()))
     os.chdir(task.cwd)
-    if kernel:  # as early as the cwd allows: Note [Ports bound at the fork]
+    if kernel and task.go_fd is not None:  # Note [A standby for the restart]
+        _standby_until_go(task)
+    elif kernel:  # as early as the cwd allows: Note [Ports bound at the fork]
         ports.bind_kernel_ports(task.argv[3:])
         step("ports")
     _replace_environ(task.env, task.start_env)

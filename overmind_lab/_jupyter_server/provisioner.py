@@ -14,6 +14,11 @@ Note [Exit on the pidfd]: once the kernel's shutdown was requested, ``poll`` wai
 wakes on the pidfd. jupyter_client's own timeouts still bound both (``asyncio.wait_for`` cancels
 the wait), so a kernel that ignores its shutdown request is still sent SIGTERM, then SIGKILL.
 More in docs/notes.md.
+
+Note [A standby for the restart]: when a restart's shutdown is requested, the next kernel is
+forked at once from the last launch's request (``standby``) and stops before binding its sockets;
+the launch tells it to go if it equals that launch, or lets it exit unstarted and forks its own.
+More in docs/notes.md.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from overmind_lab._common.zygote_client import (
     WarmKernel,
     WarmUnavailable,
     check_early,
+    is_ipykernel,
     kernel_argv,
     request_fork,
     timeline,
@@ -75,68 +81,157 @@ def _observe() -> dict[str, Any]:
         raise WarmUnavailable(f"cannot read this server's process attributes: {exc}") from exc
 
 
+def _close_when_forked(standby: asyncio.Future[WarmKernel] | None) -> None:
+    """A standby no launch will use exits (once forked, if it is still being forked)."""
+    def close(fut: asyncio.Future[WarmKernel]) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            fut.result().close()
+
+    if standby is not None:
+        standby.add_done_callback(close)
+
+
+#: A warm launch: command, env, cwd, whether the kernel watches the server, the server's
+#: process attributes, the stdio arguments, the connection info.
+_Launch = tuple[list[str], dict[str, str], str, bool, dict[str, Any], tuple[Any, ...],
+                dict[str, Any]]
+
+
 class WarmProvisioner(LocalProvisioner):
     """A ``LocalProvisioner`` whose kernels are forked from an overmind-lab zygote."""
     warm: WarmKernel | None = None
     #: Note [Exit on the pidfd]: set by ``shutdown_requested``, cleared by the next launch.
     _shutting_down: bool = False
     _warm_exit: asyncio.Future[None] | None = None
-    #: Note [Checked while the old kernel exits]: the last warm launch's command and env, and
-    #: when a restart of it was requested (``time.monotonic()``).
-    _launched: tuple[list[str], dict[str, str]] | None = None
+    #: Note [Checked while the old kernel exits]: the last warm launch (what a launch like it
+    #: must equal: :meth:`_launch_of`), and when a restart of it was requested
+    #: (``time.monotonic()``).
+    _launched: _Launch | None = None
     _restart_since: float | None = None
     _early_check: asyncio.Future[None] | None = None
+    #: Note [A standby for the restart]: the next kernel, forked while the old one exits, and
+    #: the launch it was forked for.
+    _standby: asyncio.Future[WarmKernel] | None = None
+    _standby_for: _Launch | None = None
 
     @property
     def has_process(self) -> bool:
         return self.warm is not None or self.process is not None
 
-    async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
-        cmd = kernel_argv(cmd)  # the kernelspec's argv is the launcher (``_launcher``)
+    def _launch_of(self, cmd: list[str], kwargs: dict[str, Any],
+                   attributes: dict[str, Any]) -> _Launch:
         env = dict(kwargs.get("env") or os.environ)
         cwd = str(kwargs.get("cwd") or os.getcwd())
         watch_parent = not kwargs.get("independent", False)
         if watch_parent:
             env["JPY_PARENT_PID"] = str(os.getpid())  # as jupyter_client's launcher does
+        stdio = tuple(kwargs.get(name) for name in ("stdin", "stdout", "stderr"))
+        return (cmd, env, cwd, watch_parent, attributes, stdio, dict(self.connection_info))
+
+    async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
+        cmd = kernel_argv(cmd)  # the kernelspec's argv is the launcher (``_launcher``)
         self._shutting_down = False
         checked_since, self._restart_since = self._restart_since, None
+        standby, self._standby = self._standby, None
         self._drop_warm()  # a previous kernel not waited for: its pidfd and reader go
-        timeline("provisioner.launch.start", env)
         t0 = time.perf_counter()
+        launch = self._launch_of(cmd, kwargs, {})
+        env = launch[1]
+        timeline("provisioner.launch.start", env)
         try:
             # In the event loop's thread, which would fork a plain kernel (nice etc. per thread).
-            attributes = _observe()
-            stdio = _stdio_fds(kwargs)
-            try:
-                warm = await asyncio.to_thread(request_fork, cmd, env, cwd, stdio,
-                                               watch_parent, attributes, checked_since)
-            finally:
-                for fd in stdio:
-                    os.close(fd)
+            launch = launch[:4] + (_observe(),) + launch[5:]
+            warm, standby = await self._standby_for_launch(standby, launch), None
+            if warm is None:
+                cmd, env, cwd, watch_parent, attributes, _, _ = launch
+                stdio = _stdio_fds(kwargs)
+                try:
+                    warm = await asyncio.to_thread(request_fork, cmd, env, cwd, stdio,
+                                                   watch_parent, attributes, checked_since)
+                finally:
+                    for fd in stdio:
+                        os.close(fd)
         except WarmUnavailable as exc:
+            _close_when_forked(standby)
             self.log.warning("overmind-lab: launching a plain kernel: %s", exc)
             info = await super().launch_kernel(cmd, **kwargs)
             timeline("provisioner.launch.end", env, warm=False)
             return info
         self.warm = warm
-        self._launched = (cmd, env)
+        self._launched = launch
         self.pid = self.pgid = warm.pid
-        self.cwd = cwd
+        self.cwd = launch[2]
         timeline("provisioner.launch.end", env, warm=True, kernel=warm.pid)
         self.log.info("overmind-lab: warm kernel %d forked in %.0f ms", warm.pid,
                       (time.perf_counter() - t0) * 1000)
         return self.connection_info
 
+    async def _standby_for_launch(self, standby: asyncio.Future[WarmKernel] | None,
+                                  launch: _Launch) -> WarmKernel | None:
+        """Note [A standby for the restart]: the standby forked for this launch, told to go;
+        ``None`` when there is none, or it was forked for another launch (then it exits)."""
+        if standby is None:
+            return None
+        forked_for, self._standby_for = self._standby_for, None
+        try:
+            kernel = await standby
+        except (WarmUnavailable, OSError) as exc:
+            timeline("provisioner.standby_dropped", launch[1], reason=str(exc))
+            return None
+        if forked_for != launch:
+            why = "the launch differs from the one it was forked for"
+        elif not kernel.go():
+            why = "it exited before the launch"
+        else:
+            timeline("provisioner.standby_go", launch[1], kernel=kernel.pid)
+            return kernel
+        timeline("provisioner.standby_dropped", launch[1], kernel=kernel.pid, reason=why)
+        kernel.close()  # its go descriptor closes: it exits without starting
+        return None
+
     async def shutdown_requested(self, restart: bool = False) -> None:
         self._shutting_down = True
         timeline("provisioner.shutdown_requested", restart=restart)
-        if restart and self.warm is not None and self._launched is not None:
+        launched = self._launched
+        if restart and self.warm is not None and launched is not None:
             # Note [Checked while the old kernel exits]: the zygote checks its files while
             # the old kernel shuts down; the launch says since when that check counts.
             self._restart_since = time.monotonic()
-            self._early_check = asyncio.ensure_future(
-                asyncio.to_thread(check_early, *self._launched))
+            if is_ipykernel(launched[0]):
+                self._fork_standby(launched)
+            else:
+                self._early_check = asyncio.ensure_future(
+                    asyncio.to_thread(check_early, launched[0], launched[1]))
         await super().shutdown_requested(restart)
+
+    def _fork_standby(self, launch: _Launch) -> None:
+        """Note [A standby for the restart]: fork the next kernel now, for a launch equal to
+        the last one; the zygote checks its files first (Note [Checked while the old kernel
+        exits])."""
+        self._drop_standby()
+        cmd, env, cwd, watch_parent, _, stdio_args, _ = launch
+        try:
+            attributes = _observe()  # now, in the event loop's thread (as a launch does)
+            stdio = _stdio_fds(dict(zip(("stdin", "stdout", "stderr"), stdio_args,
+                                        strict=True)))
+        except WarmUnavailable:
+            return
+
+        def fork() -> WarmKernel:
+            try:
+                return request_fork(cmd, env, cwd, stdio, watch_parent, attributes,
+                                    standby=True)
+            finally:
+                for fd in stdio:
+                    os.close(fd)
+
+        timeline("provisioner.standby", env)
+        self._standby_for = launch[:4] + (attributes,) + launch[5:]
+        self._standby = asyncio.ensure_future(asyncio.to_thread(fork))
+
+    def _drop_standby(self) -> None:
+        standby, self._standby, self._standby_for = self._standby, None, None
+        _close_when_forked(standby)
 
     async def _until_exit(self, warm: WarmKernel, timeout: float | None) -> None:
         """Note [Exit on the pidfd]: return once ``warm`` exited, or after ``timeout``."""
@@ -210,4 +305,6 @@ class WarmProvisioner(LocalProvisioner):
     async def cleanup(self, restart: bool = False) -> None:
         if self.warm is not None and self.warm.exited():
             self._drop_warm()
+        if not restart:  # no launch follows
+            self._drop_standby()
         await super().cleanup(restart)

@@ -80,7 +80,7 @@ class LoadEvent:
     # Written out, not a ``@dataclass``: Note [A first call's imports]. Same constructor,
     # equality and repr as the dataclass it was.
     __slots__ = _EVENT_FIELDS
-    __match_args__ = _EVENT_FIELDS
+    __match_args__ = ("key", "name", "outcome", "seconds", "cold_seconds", "reason", "verified")
 
     def __init__(self, key: str | None, name: str, outcome: str, seconds: float,
                  cold_seconds: float | None = None, reason: str | None = None,

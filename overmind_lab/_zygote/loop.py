@@ -41,7 +41,13 @@ from overmind_lab._common.messages import (
     ZygoteStatus,
 )
 from overmind_lab._common.protocol import Channel, bind_private, peer_credentials
-from overmind_lab._common.zygote_client import spawn, timeline, user_env
+from overmind_lab._common.zygote_client import (
+    is_ipykernel,
+    read_pipe,
+    spawn,
+    timeline,
+    user_env,
+)
 from overmind_lab._common.zygote_paths import ZygotePaths, identity, zygote_idle_seconds
 from overmind_lab._forked import become
 from overmind_lab._forked.become import INTENDED_DIFFERENCES, ForkTask
@@ -317,7 +323,7 @@ def _check_stale(state: _State) -> str | None:
     kernel still sees every edit made before the restart was requested; an edit during the
     old kernel's shutdown (~40 ms) is seen by the next launch. More in docs/notes.md."""
     began = time.monotonic()
-    stale = preload.stale_reason(state.snap)
+    stale = preload.stale_reason(state.snap, lambda: _reap_exited(state))
     if stale:
         state.retiring = f"stale: {stale}"  # a later fork request is told which file
         return f"the zygote is stale: {stale}"
@@ -325,11 +331,24 @@ def _check_stale(state: _State) -> str | None:
     return None
 
 
+def _reap_exited(state: _State) -> None:
+    """Reap the kernels that exited, now. Note [A standby for the restart]: a restart's check
+    (10-40 ms) runs as the old kernel exits; the launch waits for its exit report."""
+    if not state.children:
+        return
+    poller = select.poll()
+    for fd in state.children:
+        poller.register(fd, select.POLLIN)
+    for fd, _ in poller.poll(0):
+        _reap(state, fd)
+
+
 def _retiring(state: _State) -> str | None:
     return f"the zygote is retiring ({state.retiring})" if state.retiring else None
 
 
-def _refuse(state: _State, request: ForkRequest, env: dict[str, str]) -> str | None:
+def _refuse(state: _State, request: ForkRequest, env: dict[str, str],
+            check_files: bool = True) -> str | None:
     retiring = _retiring(state)
     if retiring:
         return retiring
@@ -343,7 +362,7 @@ def _refuse(state: _State, request: ForkRequest, env: dict[str, str]) -> str | N
     if identity(argv[0], env) != state.paths.ident:
         return "the kernel's import-relevant environment differs from the zygote's"
     since = request.get("checked_since")
-    if not (isinstance(since, (int, float)) and state.checked_at is not None
+    if check_files and not (isinstance(since, (int, float)) and state.checked_at is not None
             and state.checked_at >= since):  # Note [Checked while the old kernel exits]
         stale = _check_stale(state)
         if stale:
@@ -361,20 +380,9 @@ def _refuse(state: _State, request: ForkRequest, env: dict[str, str]) -> str | N
 
 def _await_ready(fd: int) -> str | None:
     """What the child wrote on its ready pipe: ``None`` for "ok", else why it exited."""
-    data = b""
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    deadline = time.monotonic() + _READY_TIMEOUT
-    try:
-        while (left := deadline - time.monotonic()) > 0 and poller.poll(left * 1000):
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                break
-            data += chunk
-        else:
-            return f"the forked kernel did not start within {_READY_TIMEOUT:.0f} s"
-    finally:
-        os.close(fd)
+    data = read_pipe(fd, _READY_TIMEOUT)
+    if data is None:
+        return f"the forked kernel did not start within {_READY_TIMEOUT:.0f} s"
     if data == b"ok":
         return None
     return data.decode(errors="replace") or "the forked kernel exited before it started"
@@ -390,10 +398,15 @@ def _handle_fork(state: _State, conn: socket.socket, chan: Channel,
     """Fork a kernel for ``request``: in the parent, returns once the child started (or could not);
     the child never returns (Note [Leaving the zygote's loop] in ``_forked/become.py``)."""
     env = {str(k): str(v) for k, v in dict(request.get("env", {})).items()}
-    timeline("zygote.fork_request", env)
-    why = _refuse(state, request, env)
-    timeline("zygote.checked", env, files=len(state.snap),
-             checked_since=request.get("checked_since"), checked_at=state.checked_at)
+    standby = bool(request.get("standby"))
+    timeline("zygote.fork_request", env, standby=standby)
+    # Note [A standby for the restart]: a standby's files are checked right after its fork
+    why = _refuse(state, request, env, check_files=not standby)
+    if not standby:
+        timeline("zygote.checked", env, files=len(state.snap),
+                 checked_since=request.get("checked_since"), checked_at=state.checked_at)
+    if not why and standby and not is_ipykernel(request["argv"]):
+        why = "a standby kernel needs ipykernel's command (python -m ipykernel_launcher ...)"
     if why or len(fds) != 3:
         for fd in fds:
             os.close(fd)
@@ -408,19 +421,23 @@ def _handle_fork(state: _State, conn: socket.socket, chan: Channel,
     wanted = request.get("inherit")
     task_inherit = dict(wanted) if isinstance(wanted, dict) else {}
     ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
+    # Note [A standby for the restart]: the child waits on go_r; the requester gets go_w.
+    go_r, go_w = os.pipe2(os.O_CLOEXEC) if standby else (None, None)
     task = ForkTask(
         argv=[str(a) for a in request["argv"]],
         env=env,
         cwd=str(request.get("cwd") or os.getcwd()), stdio=fds, parent_pidfd=parent_pidfd,
         thread_targets=_targets_for(state, task_inherit), learned_path=state.paths.learned,
         preloaded=frozenset(state.preloaded),
-        inherit=task_inherit, ready_fd=ready_w, start_env=state.start_env)
+        inherit=task_inherit, ready_fd=ready_w, start_env=state.start_env, go_fd=go_r)
     # Note [Interrupted at birth] in ``_forked/become.py``: the child unblocks SIGINT.
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
     t0 = time.perf_counter()
     pid = os.fork()
     if pid == 0:
         os.close(ready_r)
+        if go_w is not None:
+            os.close(go_w)  # or the child would never see its requester go away
         _close_for_child(state, keep=[*fds, *([parent_pidfd] if parent_pidfd else [])])
         become.run_and_exit(task)  # the route out of the zygote: it never returns
     state.last_fork_ms = (time.perf_counter() - t0) * 1000
@@ -431,7 +448,22 @@ def _handle_fork(state: _State, conn: socket.socket, chan: Channel,
         os.close(fd)
     if parent_pidfd is not None:
         os.close(parent_pidfd)
-    not_ready = _await_ready(ready_r)
+    if go_r is not None:
+        os.close(go_r)
+        # Note [A standby for the restart]: checked while the child starts; a stale zygote's
+        # standby is killed before anything of the user's ran in it (it waits for go first).
+        stale = _check_stale(state)
+        timeline("zygote.checked", env, files=len(state.snap), checked_since=None,
+                 checked_at=state.checked_at)
+        if stale:
+            os.kill(pid, signal.SIGKILL)  # not reaped yet: the pid is still this child's
+    else:
+        stale = None
+    not_ready = stale or _await_ready(ready_r)
+    if stale:
+        os.close(ready_r)
+    if not_ready and go_w is not None:
+        os.close(go_w)
     if not_ready:
         _reap_unready(pid)
         log.info("forked child %d for %d could not start: %s", pid, peer, not_ready)
@@ -445,9 +477,13 @@ def _handle_fork(state: _State, conn: socket.socket, chan: Channel,
     state.conns.pop(conn.fileno(), None)
     reply: ForkReply = {"ok": True, "pid": pid, "fork_ms": state.last_fork_ms}
     try:
-        chan.send(reply, [pidfd])
+        chan.send(reply, [pidfd] if go_w is None else [pidfd, go_w])
     except OSError:
-        pass  # the provisioner went away; the kernel's own parent watch decides
+        pass  # the provisioner went away; the kernel's own parent watch decides (a standby's
+        # go descriptor closes below: it exits)
+    finally:
+        if go_w is not None:
+            os.close(go_w)
     timeline("zygote.fork_reply", env, kernel=pid)
     log.info("forked kernel %d for %d in %.1f ms", pid, peer, state.last_fork_ms)
     _maybe_renew(state)

@@ -12,6 +12,7 @@ import importlib.util
 import os
 import sys
 import sysconfig
+from collections.abc import Callable
 
 from overmind_lab._common.learned import is_third_party, read_learned, third_party_modules
 
@@ -113,9 +114,12 @@ def snapshot() -> Snapshot:
     return out
 
 
-def stale_reason(snap: Snapshot) -> str | None:
-    """The first file that changed or vanished since ``snap``, as a reason; else ``None``."""
-    for path, st in snap.items():
+def stale_reason(snap: Snapshot, meanwhile: Callable[[], None] | None = None) -> str | None:
+    """The first file that changed or vanished since ``snap``, as a reason; else ``None``.
+    ``meanwhile`` is called after every 256 files."""
+    for i, (path, st) in enumerate(snap.items()):
+        if meanwhile is not None and i % 256 == 255:
+            meanwhile()
         now = _stat(path)
         if now != st:
             return f"{path} {'changed' if now else 'was removed'} since the zygote imported it"
