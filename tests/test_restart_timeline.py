@@ -223,6 +223,134 @@ def test_a_standby_forked_for_another_launch_exits_and_the_launch_forks_its_own(
 
 
 @pytest.mark.slow
+def test_restarting_a_dead_kernel_gives_one_that_stays(timed_zygote: Path,
+                                                       tmp_path: Path) -> None:
+    """Note [A shutdown request nobody read]: the restart of a kernel that died (the button a
+    user presses after a crash) sends it a ``shutdown_request`` nobody reads; the new kernel,
+    on the same ports at once, must not get it. It answers two cells, and it never exited."""
+    k = Kernel(cwd=str(tmp_path))
+    try:
+        assert k.warm, k.log_text()
+        # jupyter_client's linger is 100 ms, and whether one of the socket's reconnects falls
+        # into it is chance: 5 s make the unread request reach the new kernel every time
+        k.km._connect_control_socket()
+        k.km._control_socket.linger = 5000
+        _kill_and_wait(k.pid)
+        t0 = time.time()
+        k.restart()
+        assert k.warm, k.log_text()
+        assert k.run("print(6 * 7)").strip() == "42"
+        assert k.run("import os; print(os.getpid())").strip() == str(k.pid)
+        exits = [e for e in _events_since(timed_zygote, t0) if e["event"] == "child.exit"]
+        assert exits == [], exits
+    finally:
+        k.close()
+
+
+def _kill_and_wait(pid: int) -> None:
+    """SIGKILL ``pid`` and return once it exited (its pidfd readable: its descriptors are
+    closed by then)."""
+    import select
+    import signal
+
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        assert select.select([pidfd], [], [], 60)[0], f"{pid} did not exit"
+    finally:
+        os.close(pidfd)
+
+
+@pytest.mark.slow
+def test_a_standby_killed_before_the_launch_is_replaced_by_a_fork(
+        timed_zygote: Path, tmp_path: Path) -> None:
+    """Note [A standby for the restart]: a standby that died before its launch (killed here,
+    between jupyter_client's shutdown and its start, the two halves of a restart) cannot be
+    told to go; the launch forks a kernel of its own."""
+    k = Kernel(cwd=str(tmp_path))
+    try:
+        assert k.warm, k.log_text()
+        old = k.pid
+        t0 = time.time()
+        k.km.shutdown_kernel(now=False, restart=True)
+
+        def standby_pid() -> int | None:
+            replies = [e for e in _events_since(timed_zygote, t0)
+                       if e["event"] == "zygote.fork_reply"]
+            return replies[0]["kernel"] if replies else None
+
+        _wait_for(lambda: standby_pid() is not None, 60, "the standby's fork")
+        standby = standby_pid()
+        assert standby is not None
+        _kill_and_wait(standby)
+        k.km.start_kernel(**k.km._launch_args)
+        k.kc.wait_for_ready(timeout=120)
+        assert k.warm and k.pid not in (old, standby), k.log_text()
+        events = _events_since(timed_zygote, t0)
+        [dropped] = [e for e in events if e["event"] == "provisioner.standby_dropped"]
+        assert dropped["kernel"] == standby and "exited" in dropped["reason"], dropped
+        assert k.run("print(6 * 7)").strip() == "42"
+    finally:
+        k.close()
+
+
+@pytest.mark.slow
+def test_restarts_with_the_standby_killed_at_each_point_always_end_with_a_working_kernel(
+        timed_zygote: Path, tmp_path: Path) -> None:
+    """A fault loop (Note [A standby for the restart]): restarts in a seeded random order of
+    no fault, the standby SIGKILLed before its launch (the launch forks its own), and the new
+    kernel SIGKILLed right after its launch (dead at birth, as a crashing kernel: the next
+    restart brings a working one). No standby outlives the loop."""
+    import random
+
+    rng = random.Random(24)
+    faults = ["none", "before_launch", "after_go"] * 2
+    rng.shuffle(faults)
+    k = Kernel(cwd=str(tmp_path))
+    standbys: set[int] = set()
+    t_start = time.time()
+    try:
+        assert k.warm, k.log_text()
+        for n, fault in enumerate(faults):
+            old = k.pid
+            t0 = time.time()
+            k.km.shutdown_kernel(now=False, restart=True)
+
+            def standby_pid(t0: float = t0) -> int | None:
+                replies = [e for e in _events_since(timed_zygote, t0)
+                           if e["event"] == "zygote.fork_reply"]
+                return replies[0]["kernel"] if replies else None
+
+            standby = _wait_for(standby_pid, 60, "the standby's fork")
+            standbys.add(standby)
+            if fault == "before_launch":
+                _kill_and_wait(standby)
+            k.km.start_kernel(**k.km._launch_args)
+            if fault == "after_go":
+                assert k.pid == standby, (n, fault, k.log_text())
+                _kill_and_wait(standby)
+                _wait_for(lambda: not k.km.is_alive(), 30, "the killed kernel to be seen dead")
+                k.restart()  # a dead kernel's restart: its standby comes from the zygote too
+            else:
+                k.kc.wait_for_ready(timeout=120)
+            if fault == "none":
+                assert k.warm and k.pid == standby, (n, fault, k.log_text())
+            else:
+                assert k.warm and k.pid not in (old, standby), (n, fault, k.log_text())
+            assert k.run(f"print({n} * 7)").strip() == str(n * 7), (n, fault)
+        for e in _events_since(timed_zygote, t_start):
+            if e["event"] == "zygote.fork_reply":
+                standbys.add(e["kernel"])
+        _wait_for(lambda: not [p for p in standbys if p != k.pid and _alive(p)], 30,
+                  "every standby but the kernel's to exit")
+    finally:
+        k.close()
+
+
+@pytest.mark.slow
 def test_a_file_changed_before_the_restart_request_makes_the_restart_plain(
         timed_zygote: Path, tmp_path: Path) -> None:
     """Note [Checked while the old kernel exits]: the early check still sees an edit made

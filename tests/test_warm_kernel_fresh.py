@@ -335,7 +335,7 @@ def test_a_warm_kernel_observes_what_a_fresh_one_does(lab: dict[str, Any],
     assert warm["environ_after_imports"] == plain["environ_after_imports"]
     differences = "\n".join(status["differences"])
     for what in ("parent pid", "cmdline", "hash seed", "pidfd", "parent-watch",
-                 "iopub_welcome", "ports listen"):
+                 "iopub_welcome", "ports listen", "while the old kernel shuts down"):
         assert what in differences
     for key in status["import_env"]:
         assert key in differences

@@ -79,6 +79,9 @@ INTENDED_DIFFERENCES = (
     "subscribes, not only the first; Note [Every subscriber welcomed])",
     "the kernel's TCP ports listen from the fork on, before ipykernel binds them (Note [Ports "
     "bound at the fork])",
+    "on a restart it starts while the old kernel shuts down: its config files and command line "
+    "are read tens of ms after the restart request, its ports bound once the old kernel "
+    "exited (Note [A standby for the restart])",
     "a preloaded numpy's BLAS thread pool (sized for the kernel: Note [BLAS threads]) runs "
     "from the start; a fresh kernel starts it when it imports numpy",
 )

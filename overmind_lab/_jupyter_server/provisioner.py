@@ -192,6 +192,8 @@ class WarmProvisioner(LocalProvisioner):
     async def shutdown_requested(self, restart: bool = False) -> None:
         self._shutting_down = True
         timeline("provisioner.shutdown_requested", restart=restart)
+        if restart:
+            self._drop_unread_shutdown_request()
         launched = self._launched
         if restart and self.warm is not None and launched is not None:
             # Note [Checked while the old kernel exits]: the zygote checks its files while
@@ -203,6 +205,18 @@ class WarmProvisioner(LocalProvisioner):
                 self._early_check = asyncio.ensure_future(
                     asyncio.to_thread(check_early, launched[0], launched[1]))
         await super().shutdown_requested(restart)
+
+    def _drop_unread_shutdown_request(self) -> None:
+        """Note [A shutdown request nobody read]: jupyter_client sent the old kernel its
+        ``shutdown_request`` just now, on a control socket that lingers 100 ms when closed after
+        the kernel's exit. A kernel that died before reading it (killed, crashed, or killed by
+        jupyter_client for not exiting) leaves it queued, and a new kernel that binds the same
+        port within the linger, as a forked one does, reads it and shuts down at once. With no
+        linger the socket drops it at that close; one that was read is gone already. More in
+        docs/notes.md."""
+        control = getattr(self.parent, "_control_socket", None)
+        if control is not None:
+            control.linger = 0
 
     def _fork_standby(self, launch: _Launch) -> None:
         """Note [A standby for the restart]: fork the next kernel now, for a launch equal to
