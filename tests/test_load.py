@@ -95,8 +95,8 @@ def test_a_first_warm_hit_imports_only_the_hit_path(daemon: Client, tiny_unet_di
     assert first["outcome"] == "warm"
     ours = [m for m in first["imported"] if m.startswith("overmind_lab")]
     assert "overmind_lab._loading.load" in ours  # the spy saw the machinery's import
-    for store_only in ("sources", "background"):
-        assert f"overmind_lab._loading.{store_only}" not in ours
+    for store_only in ("_loading.sources", "_loading.background", "_native"):
+        assert f"overmind_lab.{store_only}" not in ours
     assert [d for d in first["defined"] if d.startswith("overmind_lab")] == []
 
 

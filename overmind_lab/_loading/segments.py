@@ -18,14 +18,13 @@ written its private copy, only bytes equal to the sealed segment are referenced.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import mmap
 import os
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
-
-from overmind_lab import _native
 
 __all__ = ["write_segment", "map_segment", "Mapping", "find_mapping", "mapped_fds", "prefault"]
 #: 1 faults every page of a warm load in before returning; off, a warm load costs the same for 1 GB
@@ -134,6 +133,8 @@ class Mapping:
     def pristine_equal(self, offset: int, nbytes: int, data: Any) -> bool:
         """Whether ``data`` equals the sealed bytes at ``offset`` (not our private copy)."""
         with mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as ro:
+            from overmind_lab import _native
+
             view = memoryview(ro)[offset:offset + nbytes]
             try:
                 return bool(_native.equal(view, data))
@@ -172,11 +173,11 @@ def map_segment(segment_id: str, size: int, fd: int) -> tuple[Mapping, mmap.mmap
     except BaseException:
         os.close(fd)
         raise
-    probe = memoryview(mm)
-    try:
-        address = int(_native.address(probe))
-    finally:
-        probe.release()
+    # The address without the native module: importing it is 0.6 ms of a fresh process's first
+    # hit (Note [A first call's imports] in ``load.py``); it is imported where it is used.
+    probe = ctypes.c_char.from_buffer(mm)
+    address = ctypes.addressof(probe)
+    del probe  # releases the buffer export: the mmap can close once its tensors are gone
     mapping = Mapping(segment_id, size, weakref.ref(mm), address, fd)
     with _lock:
         i = bisect.bisect_left(_starts, address)
@@ -218,6 +219,8 @@ def find_mapping(address: int, nbytes: int) -> tuple[Mapping, int] | None:
 
 def prefault(mapping: Mapping) -> str:
     """Fault a mapping's pages in now (``MADV_POPULATE_READ`` where the kernel has it)."""
+    from overmind_lab import _native
+
     view = memoryview(mapping.mm)
     try:
         return str(_native.prefault(view))
