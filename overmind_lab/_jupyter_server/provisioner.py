@@ -27,7 +27,9 @@ import asyncio
 import os
 import signal
 import sys
+import threading
 import time
+from concurrent.futures import Future
 from typing import Any
 
 from jupyter_client.connect import KernelConnectionInfo
@@ -81,9 +83,9 @@ def _observe() -> dict[str, Any]:
         raise WarmUnavailable(f"cannot read this server's process attributes: {exc}") from exc
 
 
-def _close_when_forked(standby: asyncio.Future[WarmKernel] | None) -> None:
+def _close_when_forked(standby: Future[WarmKernel] | None) -> None:
     """A standby no launch will use exits (once forked, if it is still being forked)."""
-    def close(fut: asyncio.Future[WarmKernel]) -> None:
+    def close(fut: Future[WarmKernel]) -> None:
         if not fut.cancelled() and fut.exception() is None:
             fut.result().close()
 
@@ -109,9 +111,10 @@ class WarmProvisioner(LocalProvisioner):
     _launched: _Launch | None = None
     _restart_since: float | None = None
     _early_check: asyncio.Future[None] | None = None
-    #: Note [A standby for the restart]: the next kernel, forked while the old one exits, and
+    #: Note [A standby for the restart]: the next kernel, forked while the old one exits (a
+    #: thread's future, not the event loop's: the launch may await it in another loop), and
     #: the launch it was forked for.
-    _standby: asyncio.Future[WarmKernel] | None = None
+    _standby: Future[WarmKernel] | None = None
     _standby_for: _Launch | None = None
 
     @property
@@ -166,7 +169,7 @@ class WarmProvisioner(LocalProvisioner):
                       (time.perf_counter() - t0) * 1000)
         return self.connection_info
 
-    async def _standby_for_launch(self, standby: asyncio.Future[WarmKernel] | None,
+    async def _standby_for_launch(self, standby: Future[WarmKernel] | None,
                                   launch: _Launch) -> WarmKernel | None:
         """Note [A standby for the restart]: the standby forked for this launch, told to go;
         ``None`` when there is none, or it was forked for another launch (then it exits)."""
@@ -174,8 +177,8 @@ class WarmProvisioner(LocalProvisioner):
             return None
         forked_for, self._standby_for = self._standby_for, None
         try:
-            kernel = await standby
-        except (WarmUnavailable, OSError) as exc:
+            kernel = await asyncio.wrap_future(standby)
+        except Exception as exc:  # noqa: BLE001 - Note [Never worse than plain]: fork anew
             timeline("provisioner.standby_dropped", launch[1], reason=str(exc))
             return None
         if forked_for != launch:
@@ -220,7 +223,7 @@ class WarmProvisioner(LocalProvisioner):
 
     def _fork_standby(self, launch: _Launch) -> None:
         """Note [A standby for the restart]: fork the next kernel now, for a launch equal to
-        the last one; the zygote checks its files first (Note [Checked while the old kernel
+        the last one; the zygote checks its files meanwhile (Note [Checked while the old kernel
         exits])."""
         self._drop_standby()
         cmd, env, cwd, watch_parent, _, stdio_args, _ = launch
@@ -231,17 +234,22 @@ class WarmProvisioner(LocalProvisioner):
         except WarmUnavailable:
             return
 
-        def fork() -> WarmKernel:
+        standby: Future[WarmKernel] = Future()
+
+        def fork() -> None:
             try:
-                return request_fork(cmd, env, cwd, stdio, watch_parent, attributes,
-                                    standby=True)
+                standby.set_result(request_fork(cmd, env, cwd, stdio, watch_parent, attributes,
+                                                standby=True))
+            except BaseException as exc:  # noqa: BLE001 - the launch reads it and forks anew
+                standby.set_exception(exc)
             finally:
                 for fd in stdio:
                     os.close(fd)
 
         timeline("provisioner.standby", env)
         self._standby_for = launch[:4] + (attributes,) + launch[5:]
-        self._standby = asyncio.ensure_future(asyncio.to_thread(fork))
+        self._standby = standby
+        threading.Thread(target=fork, name="overmind-lab-standby", daemon=True).start()
 
     def _drop_standby(self) -> None:
         standby, self._standby, self._standby_for = self._standby, None, None
