@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["pss_bytes", "read_smaps_rollup", "warm_page_cache"]
+__all__ = ["pss_bytes", "read_smaps_rollup", "warm_page_cache", "as_saved"]
 
 _CHUNK = 8 << 20
 
@@ -67,6 +67,38 @@ def drop_page_cache(paths: Iterable[str | os.PathLike[str]]) -> int:
             pass
         finally:
             os.close(fd)
+    return total
+
+
+#: What ``save_pretrained`` writes weights with: safetensors' writer is a Rust ``BufWriter``,
+#: whose 8 KiB writes leave the file's page cache in small folios.
+_SAVED_WRITE = 8 << 10
+_WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+def as_saved(paths: Iterable[str | os.PathLike[str]]) -> int:
+    """Put every weight file under *paths* in the page cache as a save leaves it: rewritten in
+    8 KiB writes to a new file renamed over it (times and mode kept). Returns the bytes.
+
+    A file read after its pages were dropped (``plain-cold``, ``reboot``, a real reboot) comes
+    back in large folios by readahead, and a first touch of it is several times faster (a 1.7 GB
+    fp16 UNet: 30-35 ms against 73-94 ms). So that every round measures what a user who just
+    saved a model waits for (item 4 of issue 24), each round starts from this state."""
+    total = 0
+    buf = bytearray(_SAVED_WRITE)
+    view = memoryview(buf)
+    for file in _files(Path(p) for p in paths):
+        if file.suffix not in _WEIGHT_SUFFIXES:
+            continue
+        st = file.stat()
+        tmp = file.with_name(file.name + ".as-saved")
+        with open(file, "rb", buffering=0) as src, open(tmp, "wb", buffering=0) as dst:
+            while n := src.readinto(view):
+                dst.write(view[:n])
+        os.chmod(tmp, st.st_mode & 0o7777)
+        os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
+        os.replace(tmp, file)
+        total += st.st_size
     return total
 
 

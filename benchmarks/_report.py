@@ -314,6 +314,9 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
                 f"{_s(imports['median']) if imports else '-'} | {check_text} |")
         lines += ["", "## Load and first touch (what a user waits for)", "",
                   "Median of load + first read of every weight page, per fresh process. "
+                  "Each round of plain, first, warm and restart starts from the weight files "
+                  "as a save leaves them (rewritten in 8 KiB writes: small page-cache folios, "
+                  "whose first touch is slower than after a read from disk). "
                   "*restart*: warm, right after `kill -9` of the daemon and a new one. "
                   "*plain-cold*, *reboot*: plain, and warm from a new daemon, with the files of "
                   "the model and of the cache dropped from the page cache.", "",
@@ -420,7 +423,8 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
         lines += ["", "## Errors", ""] + [f"- {e}" for e in results["errors"]]
     lines += ["", "## Method", "",
               "Each measurement is a new `python -m benchmarks._child` process; model files "
-              "are read once before each case so the page cache is warm. A process imports torch, "
+              "are in the page cache: a load case's weight files as a save leaves them at the "
+              "start of each round, the others read once before the case. A process imports torch, "
               "the library and (for cached loads) overmind-lab, then waits; up to "
               f"{meta.get('batch', 2)} processes import at once, but their timed loads run one at a "
               "time with nothing else running, and each exits before the next starts. "

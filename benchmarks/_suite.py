@@ -21,7 +21,7 @@ from typing import Any
 
 from benchmarks import _cases, _report
 from benchmarks._cases import CASES, KERNEL_CASE, PSS_CASE, Case
-from benchmarks._memory import drop_page_cache, read_smaps_rollup, warm_page_cache
+from benchmarks._memory import as_saved, drop_page_cache, read_smaps_rollup, warm_page_cache
 from benchmarks._runner import (
     Child,
     ChildError,
@@ -114,17 +114,21 @@ class Bench:
         self.progress(f"{case.name}: {case.title} — reading {path} into the page cache")
         file_bytes = warm_page_cache([path])
         self.evict_all()
-        # rounds of plain, first, warm (interleaved against drift); the last warm process
-        # also checks its object against a plain load (after its timing)
+        # rounds of plain, first, warm (interleaved against drift), each from the model's files
+        # as a save leaves them (``as_saved``); the last warm process also checks its object
+        # against a plain load (after its timing). Then the rounds with the page cache dropped:
+        # after them the files come back by readahead, unlike a save's.
         jobs: list[dict[str, Any]] = []
+        private = self.daemon is not None and self.daemon.private
         for i in range(self.repeat):
             jobs.append(self.job(case, "plain"))
             jobs.append(self.job(case, "first"))
             jobs.append(self.job(case, "warm", check=(i == self.repeat - 1)))
-            if self.daemon is not None and self.daemon.private:
+            if private:
                 jobs.append(self.job(case, "restart"))
-                jobs.append(self.job(case, "plain-cold"))
-                jobs.append(self.job(case, "reboot"))
+        for _ in range(self.repeat if private else 0):
+            jobs.append(self.job(case, "plain-cold"))
+            jobs.append(self.job(case, "reboot"))
         counters = {"plain": 0, "first": 0, "warm": 0, "restart": 0, "plain-cold": 0,
                     "reboot": 0}
 
@@ -142,8 +146,8 @@ class Bench:
                     if jobs[i]["mode"] == "reboot" else None)
             if jobs[i]["mode"] == "plain-cold":
                 drop_page_cache([path])
-            if jobs[i]["mode"] == "plain":  # after a reboot round: the model in cache again
-                warm_page_cache([path])
+            if jobs[i]["mode"] == "plain":  # each round: the model's files as a save left them
+                as_saved([path])
 
         def on_result(i: int, rec: dict[str, Any]) -> None:
             mode = jobs[i]["mode"]
