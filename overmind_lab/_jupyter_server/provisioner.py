@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, NamedTuple
 
 from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning.local_provisioner import LocalProvisioner
@@ -83,20 +83,30 @@ def _observe() -> dict[str, Any]:
         raise WarmUnavailable(f"cannot read this server's process attributes: {exc}") from exc
 
 
-def _close_when_forked(standby: Future[WarmKernel] | None) -> None:
-    """A standby no launch will use exits (once forked, if it is still being forked)."""
-    def close(fut: Future[WarmKernel]) -> None:
-        if not fut.cancelled() and fut.exception() is None:
-            fut.result().close()
+class _Launch(NamedTuple):
+    """A warm launch, as a later launch must equal it (Note [A standby for the restart])."""
+    cmd: list[str]
+    env: dict[str, str]
+    cwd: str
+    watch_parent: bool  # whether the kernel watches the server
+    attributes: dict[str, Any]  # the server's process attributes (``inherit.observe``)
+    stdio: dict[str, Any]  # the stdin, stdout and stderr arguments
+    connection: dict[str, Any]  # the connection info
 
-    if standby is not None:
-        standby.add_done_callback(close)
 
+class _Standby(NamedTuple):
+    """A standby being forked (a thread's future, not the event loop's: the launch may await
+    it in another loop), and the launch it is forked for."""
+    kernel: Future[WarmKernel]
+    launch: _Launch
 
-#: A warm launch: command, env, cwd, whether the kernel watches the server, the server's
-#: process attributes, the stdio arguments, the connection info.
-_Launch = tuple[list[str], dict[str, str], str, bool, dict[str, Any], tuple[Any, ...],
-                dict[str, Any]]
+    def drop(self) -> None:
+        """The standby exits (once forked, if it is still being forked)."""
+        def close(fut: Future[WarmKernel]) -> None:
+            if not fut.cancelled() and fut.exception() is None:
+                fut.result().close()
+
+        self.kernel.add_done_callback(close)
 
 
 class WarmProvisioner(LocalProvisioner):
@@ -111,11 +121,8 @@ class WarmProvisioner(LocalProvisioner):
     _launched: _Launch | None = None
     _restart_since: float | None = None
     _early_check: asyncio.Future[None] | None = None
-    #: Note [A standby for the restart]: the next kernel, forked while the old one exits (a
-    #: thread's future, not the event loop's: the launch may await it in another loop), and
-    #: the launch it was forked for.
-    _standby: Future[WarmKernel] | None = None
-    _standby_for: _Launch | None = None
+    #: Note [A standby for the restart]: the next kernel, forked while the old one exits.
+    _standby: _Standby | None = None
 
     @property
     def has_process(self) -> bool:
@@ -128,8 +135,8 @@ class WarmProvisioner(LocalProvisioner):
         watch_parent = not kwargs.get("independent", False)
         if watch_parent:
             env["JPY_PARENT_PID"] = str(os.getpid())  # as jupyter_client's launcher does
-        stdio = tuple(kwargs.get(name) for name in ("stdin", "stdout", "stderr"))
-        return (cmd, env, cwd, watch_parent, attributes, stdio, dict(self.connection_info))
+        stdio = {name: kwargs.get(name) for name in ("stdin", "stdout", "stderr")}
+        return _Launch(cmd, env, cwd, watch_parent, attributes, stdio, dict(self.connection_info))
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
         cmd = kernel_argv(cmd)  # the kernelspec's argv is the launcher (``_launcher``)
@@ -139,23 +146,24 @@ class WarmProvisioner(LocalProvisioner):
         self._drop_warm()  # a previous kernel not waited for: its pidfd and reader go
         t0 = time.perf_counter()
         launch = self._launch_of(cmd, kwargs, {})
-        env = launch[1]
+        env = launch.env
         timeline("provisioner.launch.start", env)
         try:
             # In the event loop's thread, which would fork a plain kernel (nice etc. per thread).
-            launch = launch[:4] + (_observe(),) + launch[5:]
+            launch = launch._replace(attributes=_observe())
             warm, standby = await self._standby_for_launch(standby, launch), None
             if warm is None:
-                cmd, env, cwd, watch_parent, attributes, _, _ = launch
                 stdio = _stdio_fds(kwargs)
                 try:
-                    warm = await asyncio.to_thread(request_fork, cmd, env, cwd, stdio,
-                                                   watch_parent, attributes, checked_since)
+                    warm = await asyncio.to_thread(
+                        request_fork, cmd, env, launch.cwd, stdio, launch.watch_parent,
+                        launch.attributes, checked_since)
                 finally:
                     for fd in stdio:
                         os.close(fd)
         except WarmUnavailable as exc:
-            _close_when_forked(standby)
+            if standby is not None:
+                standby.drop()
             self.log.warning("overmind-lab: launching a plain kernel: %s", exc)
             info = await super().launch_kernel(cmd, **kwargs)
             timeline("provisioner.launch.end", env, warm=False)
@@ -163,32 +171,31 @@ class WarmProvisioner(LocalProvisioner):
         self.warm = warm
         self._launched = launch
         self.pid = self.pgid = warm.pid
-        self.cwd = launch[2]
+        self.cwd = launch.cwd
         timeline("provisioner.launch.end", env, warm=True, kernel=warm.pid)
         self.log.info("overmind-lab: warm kernel %d forked in %.0f ms", warm.pid,
                       (time.perf_counter() - t0) * 1000)
         return self.connection_info
 
-    async def _standby_for_launch(self, standby: Future[WarmKernel] | None,
+    async def _standby_for_launch(self, standby: _Standby | None,
                                   launch: _Launch) -> WarmKernel | None:
         """Note [A standby for the restart]: the standby forked for this launch, told to go;
         ``None`` when there is none, or it was forked for another launch (then it exits)."""
         if standby is None:
             return None
-        forked_for, self._standby_for = self._standby_for, None
         try:
-            kernel = await asyncio.wrap_future(standby)
+            kernel = await asyncio.wrap_future(standby.kernel)
         except Exception as exc:  # noqa: BLE001 - Note [Never worse than plain]: fork anew
-            timeline("provisioner.standby_dropped", launch[1], reason=str(exc))
+            timeline("provisioner.standby_dropped", launch.env, reason=str(exc))
             return None
-        if forked_for != launch:
+        if standby.launch != launch:
             why = "the launch differs from the one it was forked for"
         elif not kernel.go():
             why = "it exited before the launch"
         else:
-            timeline("provisioner.standby_go", launch[1], kernel=kernel.pid)
+            timeline("provisioner.standby_go", launch.env, kernel=kernel.pid)
             return kernel
-        timeline("provisioner.standby_dropped", launch[1], kernel=kernel.pid, reason=why)
+        timeline("provisioner.standby_dropped", launch.env, kernel=kernel.pid, reason=why)
         kernel.close()  # its go descriptor closes: it exits without starting
         return None
 
@@ -202,11 +209,11 @@ class WarmProvisioner(LocalProvisioner):
             # Note [Checked while the old kernel exits]: the zygote checks its files while
             # the old kernel shuts down; the launch says since when that check counts.
             self._restart_since = time.monotonic()
-            if is_ipykernel(launched[0]):
+            if is_ipykernel(launched.cmd):
                 self._fork_standby(launched)
             else:
                 self._early_check = asyncio.ensure_future(
-                    asyncio.to_thread(check_early, launched[0], launched[1]))
+                    asyncio.to_thread(check_early, launched.cmd, launched.env))
         await super().shutdown_requested(restart)
 
     def _drop_unread_shutdown_request(self) -> None:
@@ -226,34 +233,34 @@ class WarmProvisioner(LocalProvisioner):
         the last one; the zygote checks its files meanwhile (Note [Checked while the old kernel
         exits])."""
         self._drop_standby()
-        cmd, env, cwd, watch_parent, _, stdio_args, _ = launch
         try:
-            attributes = _observe()  # now, in the event loop's thread (as a launch does)
-            stdio = _stdio_fds(dict(zip(("stdin", "stdout", "stderr"), stdio_args,
-                                        strict=True)))
+            # now, in the event loop's thread (as a launch does)
+            launch = launch._replace(attributes=_observe())
+            stdio = _stdio_fds(launch.stdio)
         except WarmUnavailable:
             return
 
-        standby: Future[WarmKernel] = Future()
+        kernel: Future[WarmKernel] = Future()
 
         def fork() -> None:
             try:
-                standby.set_result(request_fork(cmd, env, cwd, stdio, watch_parent, attributes,
-                                                standby=True))
+                kernel.set_result(request_fork(launch.cmd, launch.env, launch.cwd, stdio,
+                                               launch.watch_parent, launch.attributes,
+                                               standby=True))
             except BaseException as exc:  # noqa: BLE001 - the launch reads it and forks anew
-                standby.set_exception(exc)
+                kernel.set_exception(exc)
             finally:
                 for fd in stdio:
                     os.close(fd)
 
-        timeline("provisioner.standby", env)
-        self._standby_for = launch[:4] + (attributes,) + launch[5:]
-        self._standby = standby
+        timeline("provisioner.standby", launch.env)
+        self._standby = _Standby(kernel, launch)
         threading.Thread(target=fork, name="overmind-lab-standby", daemon=True).start()
 
     def _drop_standby(self) -> None:
-        standby, self._standby, self._standby_for = self._standby, None, None
-        _close_when_forked(standby)
+        standby, self._standby = self._standby, None
+        if standby is not None:
+            standby.drop()
 
     async def _until_exit(self, warm: WarmKernel, timeout: float | None) -> None:
         """Note [Exit on the pidfd]: return once ``warm`` exited, or after ``timeout``."""

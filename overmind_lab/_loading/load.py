@@ -71,16 +71,13 @@ class Meta(TypedDict):
 # ``exec``); its record classes are written out. What only a store needs (``sources``,
 # ``background``) is imported where a store starts.
 # ``test_a_first_warm_hit_imports_only_the_hit_path`` keeps both true.
-_EVENT_FIELDS = ("key", "name", "outcome", "seconds", "cold_seconds", "reason", "verified")
-
-
 class LoadEvent:
     """What one ``load()`` did. ``outcome`` is warm, cold, bypass, uncached or fallback."""
 
     # Written out, not a ``@dataclass``: Note [A first call's imports]. Same constructor,
     # equality and repr as the dataclass it was.
-    __slots__ = _EVENT_FIELDS
-    __match_args__ = ("key", "name", "outcome", "seconds", "cold_seconds", "reason", "verified")
+    __slots__ = __match_args__ = ("key", "name", "outcome", "seconds", "cold_seconds", "reason",
+                                  "verified")
 
     def __init__(self, key: str | None, name: str, outcome: str, seconds: float,
                  cold_seconds: float | None = None, reason: str | None = None,
@@ -94,7 +91,7 @@ class LoadEvent:
         self.verified = verified  # verify mode: the hit equalled a plain load (or not)
 
     def _fields(self) -> tuple[Any, ...]:
-        return tuple(getattr(self, f) for f in _EVENT_FIELDS)
+        return tuple(getattr(self, f) for f in self.__slots__)
 
     def __eq__(self, other: object) -> bool:
         if other.__class__ is not self.__class__:
@@ -104,7 +101,7 @@ class LoadEvent:
     __hash__ = None  # type: ignore[assignment]  # mutable, as a dataclass's
 
     def __repr__(self) -> str:
-        inner = ", ".join(f"{f}={getattr(self, f)!r}" for f in _EVENT_FIELDS)
+        inner = ", ".join(f"{f}={getattr(self, f)!r}" for f in self.__slots__)
         return f"LoadEvent({inner})"
 
     def summary(self) -> str:
