@@ -107,6 +107,34 @@ def run_cell(kc: Any, code: str, timeout: float) -> str:
     return "".join(out)
 
 
+def wait_for_exit(pid: int, timeout: float = 60, what: str = "") -> None:
+    """Return once ``pid`` exited (its pidfd readable: its descriptors and sockets are closed by
+    then), also when it is not our child; fail after ``timeout`` s."""
+    import select
+
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        assert select.select([fd], [], [], timeout)[0], f"{what or pid} did not exit"
+    finally:
+        os.close(fd)
+
+
+def kill_and_wait(pid: int) -> None:
+    """SIGKILL ``pid`` (through its pidfd: never a reused pid) and wait for its exit."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        signal.pidfd_send_signal(fd, signal.SIGKILL)
+    finally:
+        os.close(fd)
+    wait_for_exit(pid)
+
+
 def last_json(proc: subprocess.CompletedProcess[str]) -> Any:
     """The last stdout line of a child, parsed as JSON."""
     return json.loads(proc.stdout.strip().splitlines()[-1])

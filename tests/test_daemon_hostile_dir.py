@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from overmind_lab import Client, DaemonUnavailable
+from tests.conftest import wait_for_exit
 from tests.test_disk_cache import cache_dir, log_text, segment_files, sized_child, wait_saved
 
 pytestmark = pytest.mark.slow  # minutes in all: `make test`, not `make test-fast`
@@ -167,22 +168,10 @@ def test_a_directory_swapped_while_the_daemon_runs_is_not_followed(
     assert again["outcome"] == "fallback"
     assert list(elsewhere.iterdir()) == []  # nothing written, nothing read there
     assert "replaced by a symbolic link while the daemon ran" in log_text(daemon.path)
-    _wait_gone(pid)  # it stopped by itself
+    wait_for_exit(pid, what=f"daemon {pid}")  # it stopped by itself
     # The next daemon checks the path and refuses it; loads stay plain.
     assert sized_child(NBYTES, "s")["outcome"] == "fallback"
     assert list(elsewhere.iterdir()) == []
     assert first["outcome"] == "cold"
 
 
-def _wait_gone(pid: int) -> None:
-    """Wait for ``pid`` to exit (a detached daemon: not our child, so poll its pidfd)."""
-    import select
-
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    try:
-        assert select.select([fd], [], [], 60)[0], f"daemon {pid} did not stop"
-    finally:
-        os.close(fd)

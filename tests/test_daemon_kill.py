@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from overmind_lab import Client
+from tests.conftest import wait_for_exit
 from tests.test_disk_cache import HERE, SIZED, cache_dir, log_text, sized_child, wait_saved
 
 pytestmark = pytest.mark.slow  # minutes in all: `make test`, not `make test-fast`
@@ -56,19 +57,6 @@ def run_for_a_while(child: subprocess.Popen[str], rng: random.Random) -> float:
     except subprocess.TimeoutExpired:
         pass
     return delay
-
-
-def wait_for_exit(pid: int) -> None:
-    import select
-
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    try:
-        assert select.select([fd], [], [], 60)[0], f"{pid} did not exit"
-    finally:
-        os.close(fd)
 
 
 def settle(client: Client, tag: str) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import select
 import shutil
 import signal
 import subprocess
@@ -23,7 +22,7 @@ import pytest
 
 from overmind_lab import Client, DaemonUnavailable
 from overmind_lab._daemon.store import Store
-from tests.conftest import last_json, run_py, save_tiny_unet
+from tests.conftest import last_json, run_py, save_tiny_unet, wait_for_exit
 from tests.test_load import LOAD_UNET, plain_digest
 
 pytestmark = pytest.mark.slow  # minutes in all: `make test`, not `make test-fast`
@@ -71,14 +70,7 @@ def kill_and_restart(client: Client) -> dict[str, object]:
     os.kill(pid, signal.SIGKILL)
     # Until all of its threads are gone (and with them its listening socket), which a
     # pidfd tells: the event, with a loaded machine's deadline.
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return client.start()
-    try:
-        assert select.select([fd], [], [], 120)[0], f"the daemon {pid} runs after SIGKILL"
-    finally:
-        os.close(fd)
+    wait_for_exit(pid, 120, f"the daemon {pid} (after SIGKILL)")
     return client.start()
 
 

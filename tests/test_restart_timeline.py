@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from overmind_lab._common.zygote_client import TIMELINE_ENV, timeline
+from tests.conftest import kill_and_wait
 from tests.test_warm_kernel import (
     Kernel,
     _alive,
@@ -235,7 +236,7 @@ def test_restarting_a_dead_kernel_gives_one_that_stays(timed_zygote: Path,
         # into it is chance: 5 s make the unread request reach the new kernel every time
         k.km._connect_control_socket()
         k.km._control_socket.linger = 5000
-        _kill_and_wait(k.pid)
+        kill_and_wait(k.pid)
         t0 = time.time()
         k.restart()
         assert k.warm, k.log_text()
@@ -247,21 +248,10 @@ def test_restarting_a_dead_kernel_gives_one_that_stays(timed_zygote: Path,
         k.close()
 
 
-def _kill_and_wait(pid: int) -> None:
-    """SIGKILL ``pid`` and return once it exited (its pidfd readable: its descriptors are
-    closed by then)."""
-    import select
-    import signal
-
-    try:
-        pidfd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    try:
-        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        assert select.select([pidfd], [], [], 60)[0], f"{pid} did not exit"
-    finally:
-        os.close(pidfd)
+def _standby_pid(path: Path, t0: float) -> int | None:
+    """The first kernel the zygote forked since ``t0`` (a restart's standby), if any yet."""
+    replies = [e for e in _events_since(path, t0) if e["event"] == "zygote.fork_reply"]
+    return replies[0]["kernel"] if replies else None
 
 
 @pytest.mark.slow
@@ -276,16 +266,8 @@ def test_a_standby_killed_before_the_launch_is_replaced_by_a_fork(
         old = k.pid
         t0 = time.time()
         k.km.shutdown_kernel(now=False, restart=True)
-
-        def standby_pid() -> int | None:
-            replies = [e for e in _events_since(timed_zygote, t0)
-                       if e["event"] == "zygote.fork_reply"]
-            return replies[0]["kernel"] if replies else None
-
-        _wait_for(lambda: standby_pid() is not None, 60, "the standby's fork")
-        standby = standby_pid()
-        assert standby is not None
-        _kill_and_wait(standby)
+        standby = _wait_for(lambda: _standby_pid(timed_zygote, t0), 60, "the standby's fork")
+        kill_and_wait(standby)
         k.km.start_kernel(**k.km._launch_args)
         k.kc.wait_for_ready(timeout=120)
         assert k.warm and k.pid not in (old, standby), k.log_text()
@@ -318,20 +300,15 @@ def test_restarts_with_the_standby_killed_at_each_point_always_end_with_a_workin
             old = k.pid
             t0 = time.time()
             k.km.shutdown_kernel(now=False, restart=True)
-
-            def standby_pid(t0: float = t0) -> int | None:
-                replies = [e for e in _events_since(timed_zygote, t0)
-                           if e["event"] == "zygote.fork_reply"]
-                return replies[0]["kernel"] if replies else None
-
-            standby = _wait_for(standby_pid, 60, "the standby's fork")
+            standby = _wait_for(lambda t0=t0: _standby_pid(timed_zygote, t0), 60,
+                                "the standby's fork")
             standbys.add(standby)
             if fault == "before_launch":
-                _kill_and_wait(standby)
+                kill_and_wait(standby)
             k.km.start_kernel(**k.km._launch_args)
             if fault == "after_go":
                 assert k.pid == standby, (n, fault, k.log_text())
-                _kill_and_wait(standby)
+                kill_and_wait(standby)
                 _wait_for(lambda: not k.km.is_alive(), 30, "the killed kernel to be seen dead")
                 k.restart()  # a dead kernel's restart: its standby comes from the zygote too
             else:
