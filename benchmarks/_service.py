@@ -85,14 +85,22 @@ class PrivateDaemon:
         self.stop()
         raise RuntimeError(f"the private overmind-lab daemon did not start ({self.socket}):\n{tail}")
 
+    def wait_quiet(self, timeout: float = 60) -> None:
+        """Until the daemon's background work is done: segments finished on disk and the index
+        saved (``unsaved``), copies of held files made (``copying``: Note [A copy to serve])."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            status = self.client().status()
+            if not status.get("unsaved") and not status.get("copying"):
+                return
+            time.sleep(0.05)
+
     def kill_and_restart(self, before_start: Callable[[], object] | None = None
                          ) -> dict[str, Any]:
         """``kill -9`` the private daemon and start a new one on the same cache directory,
         once its saved index is complete (``before_start`` runs in between)."""
         assert self.private and self.proc is not None
-        deadline = time.monotonic() + 60
-        while self.client().status().get("unsaved") and time.monotonic() < deadline:
-            time.sleep(0.05)
+        self.wait_quiet()
         self.proc.kill()
         self.proc.wait(timeout=10)
         if before_start is not None:

@@ -152,6 +152,10 @@ class Bench:
         def on_result(i: int, rec: dict[str, Any]) -> None:
             mode = jobs[i]["mode"]
             counters[mode] += 1
+            if mode == "first" and self.daemon is not None:
+                # The daemon's copy of a just-saved source (Note [A copy to serve]) is made
+                # before the next processes start: they do not idle through it.
+                self.daemon.wait_quiet()
             head = f"{case.name}: {mode} {counters[mode]}/{self.repeat}"
             if "error" in rec:
                 self.error(f"{head}: {rec['error'].splitlines()[0] if rec['error'] else rec['error']}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -168,3 +169,23 @@ def is_open(fd: int) -> bool:
     except OSError:
         return False
     return True
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 16 MiB ext4 file system, loop-mounted (root only)."""
+    if os.getuid() != 0 or shutil.which("mkfs.ext4") is None:
+        pytest.skip("a small file system needs root and mkfs.ext4 (loop mount)")
+    image, mnt = tmp_path / "fs.img", tmp_path / "mnt"
+    mnt.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(16 << 20)
+    subprocess.run(["mkfs.ext4", "-q", str(image)], check=True, timeout=60)
+    mounted = subprocess.run(["mount", "-o", "loop", str(image), str(mnt)],
+                             capture_output=True, text=True, timeout=60)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot loop-mount here: {mounted.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True, timeout=60)

@@ -249,6 +249,112 @@ def test_held_source_files_count_in_the_budget(sock_path: Path, tmp_path: Path,
         client.stop()
 
 
+# -- held or copied: the source's page-cache folios --------------------------------------------
+def save_many(path: Path, count: int, plus: float = 0.0) -> Path:
+    """``count`` 4 MiB tensors, saved as ``save_pretrained`` saves them (safetensors' writer:
+    small page-cache folios); tensor ``i`` is all ``i``. The same size whatever ``count``'s
+    tensors hold."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({f"w{i:02}": torch.full((1024, 1024), i + plus) for i in range(count)}, str(path))
+    return path
+
+
+def rewrite_in_large_writes(path: Path, to: Path) -> Path:
+    """The same bytes in a new file written in aligned 8 MiB writes (PMD-sized folios)."""
+    data = path.read_bytes()
+    with open(to, "wb", buffering=0) as f:
+        for at in range(0, len(data), 8 << 20):
+            f.write(data[at:at + (8 << 20)])
+    return to
+
+
+def many_sums(count: int, plus: float = 0.0) -> list[float]:
+    return [(i + plus) * 1024 * 1024 for i in range(count)]
+
+
+MAPS_CHILD = LOAD_FILE + """
+with open("/proc/self/maps") as f:
+    maps = f.read()
+print(json.dumps({{"copy": ".copy" in maps, "source": {path!r} in maps}}))
+"""
+
+
+def served_from(path: Path, *, by_path: bool) -> dict[str, object]:
+    """Which file a warm load of ``path`` maps: the daemon's copy, or the source."""
+    env = {**os.environ, "OVERMIND_LAB_TEST_FILE": str(path),
+           "OVERMIND_LAB_BACKGROUND_STORE": "never"}
+    code = MAPS_CHILD.format(here=HERE, path=str(path), by_path=by_path)
+    return dict(last_json(run_py(code, env=env)))
+
+
+def test_a_source_in_small_folios_is_served_from_a_copy_in_large_folios(
+        daemon: Client, tmp_path: Path) -> None:
+    """Note [Sources in small folios], Note [A copy to serve]: a just-saved file is held, and
+    copied in PMD-sized folios, which warm loads map; the checks stay the source's: a change
+    drops the entry and its copy. The same bytes written in large folios are not copied."""
+    from overmind_lab._loading.sources import in_small_folios
+
+    saved = save_many(tmp_path / "saved.safetensors", 32)  # 128 MiB
+    written = rewrite_in_large_writes(saved, tmp_path / "written.safetensors")
+    if in_small_folios(str(written)):
+        pytest.skip("this file system keeps no large folios for buffered writes")
+    assert in_small_folios(str(saved))
+    # ``saved`` by name only (its key does not cover the file: only the daemon's checks can
+    # tell that it changed), ``written`` by path
+    for weights, by_path in ((saved, False), (written, True)):
+        assert load_file_child(weights, by_path=by_path) == {"outcome": "cold",
+                                                             "sums": many_sums(32)}
+        wait_saved(daemon)
+        assert load_file_child(weights, by_path=by_path) == {"outcome": "warm",
+                                                             "sums": many_sums(32)}
+    assert sum(f.stat().st_size for f in segment_files()) < 1 << 20  # both held
+    [copy] = cache_dir().glob("*.copy")
+    assert copy.stat().st_size == saved.stat().st_size and copy.read_bytes() == saved.read_bytes()
+    assert not in_small_folios(str(copy))
+    assert served_from(saved, by_path=False) == {"copy": True, "source": False}
+    assert served_from(written, by_path=True) == {"copy": False, "source": True}
+    assert log_text(daemon.path).count("from a copy in large folios") == 1
+    assert daemon.status()["disk_bytes"] >= 2 * saved.stat().st_size
+    # Changed in place (same size, mtime set back): the entry goes, and its copy with it.
+    old = saved.stat()
+    fresh = save_many(tmp_path / "incoming.safetensors", 32, plus=0.5).read_bytes()
+    with open(saved, "r+b") as f:
+        f.write(fresh)
+    restore_times(saved, old)
+    assert load_file_child(saved, by_path=False) == {"outcome": "cold",
+                                                     "sums": many_sums(32, plus=0.5)}
+    assert not copy.exists()
+    # A restarted daemon keeps the entries of held files, never a copy.
+    wait_saved(daemon)
+    assert kill_and_restart(daemon)["entries"] == 2
+    assert list(cache_dir().glob("*.copy")) == []
+    assert load_file_child(written, by_path=True)["outcome"] == "warm"
+
+
+def test_a_source_in_small_folios_is_served_as_it_is_when_the_disk_has_no_room(
+        sock_path: Path, small_fs: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from overmind_lab._loading.sources import in_small_folios
+
+    saved = save_many(tmp_path / "saved.safetensors", 32)  # 128 MiB, the file system 16 MiB
+    if not in_small_folios(str(saved)):
+        pytest.skip("this file system keeps no small folios apart from large ones")
+    monkeypatch.setenv("OVERMIND_LAB_CACHE_DIR", str(small_fs / "cache"))
+    client = Client()
+    try:
+        assert client.start()["tier"] == "file"
+        assert load_file_child(saved, by_path=True)["outcome"] == "cold"
+        wait_saved(client)
+        assert load_file_child(saved, by_path=True) == {"outcome": "warm",
+                                                        "sums": many_sums(32)}
+        assert list((small_fs / "cache").glob("*.copy")) == []
+        assert "no copy (the disk has no room for it)" in log_text(sock_path)
+    finally:
+        client.stop()
+
+
 # -- what an acknowledged store promises ----------------------------------------------------
 def test_a_store_is_durable_once_saved_and_never_half_there_before(daemon: Client) -> None:
     """Note [What a store promises]: kill -9 right after the acknowledgement leaves the

@@ -9,13 +9,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -55,11 +53,12 @@ def log_text(sock_path: Path) -> str:
 
 
 def wait_saved(client: Client, timeout: float = 30) -> dict[str, object]:
-    """Wait until every segment is finished on disk and the index is saved."""
+    """Wait until every segment is finished on disk, the index is saved and copies of held
+    files are made (Note [A copy to serve])."""
     deadline = time.monotonic() + timeout
     while True:
         status = client.status()
-        if status["unsaved"] == 0:
+        if status["unsaved"] == 0 and status.get("copying", 0) == 0:
             return status
         assert time.monotonic() < deadline, status
         time.sleep(0.05)
@@ -276,26 +275,6 @@ def test_evict_deletes_files_and_evict_all_leaves_the_directory_empty(
     assert "evicted 1 entry" in proc.stdout
     wait_saved(daemon)
     assert list(cache_dir().iterdir()) == []
-
-
-@pytest.fixture
-def small_fs(tmp_path: Path) -> Iterator[Path]:
-    """A 16 MiB ext4 file system, loop-mounted (root only)."""
-    if os.getuid() != 0 or shutil.which("mkfs.ext4") is None:
-        pytest.skip("a small file system needs root and mkfs.ext4 (loop mount)")
-    image, mnt = tmp_path / "fs.img", tmp_path / "mnt"
-    mnt.mkdir()
-    with open(image, "wb") as f:
-        f.truncate(16 << 20)
-    subprocess.run(["mkfs.ext4", "-q", str(image)], check=True, timeout=60)
-    mounted = subprocess.run(["mount", "-o", "loop", str(image), str(mnt)],
-                             capture_output=True, text=True, timeout=60)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot loop-mount here: {mounted.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True, timeout=60)
 
 
 def test_a_full_disk_falls_back_to_memory_and_leaves_nothing_half_written(

@@ -64,6 +64,9 @@ class SourceRecord(TypedDict):
     ino: int
     size: int
     mtime_ns: int
+    #: its page cache is in small folios: the daemon makes a copy to serve (Note [A copy to
+    #: serve] in ``_daemon/store.py``)
+    small_folios: NotRequired[bool]
 
 
 class LinkRequest(TypedDict):
@@ -150,6 +153,7 @@ class Status(_StatusFields, total=False):
     disk_bytes: int
     memfd_bytes: int
     resident_bytes: int
+    copying: int  # held source files being copied to serve (Note [A copy to serve])
     unsaved: int
     evicted_mapped_bytes: int
     entries: int

@@ -17,6 +17,7 @@ import os
 import resource
 import signal
 import socket
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -108,6 +109,8 @@ class Daemon:
         self.pending: dict[str, Segment] = {}  # key -> segment reserved, being written
         self.pending_links: dict[str, list[Segment]] = {}  # key -> linked, not stored yet
         self.finishing: dict[str, Segment] = {}  # id -> segment being finished
+        self.copying: dict[str, asyncio.Future[None]] = {}  # Note [A copy to serve]
+        self._stopping = threading.Event()  # ends the copies
         self.summing: dict[str, asyncio.Future[None]] = {}  # checksums being read
         self._dirty = False
         self._saver: asyncio.Task[None] | None = None
@@ -136,9 +139,11 @@ class Daemon:
 
     async def _shutdown(self) -> None:
         """Finish the files being written, save the index, let go of the segments."""
-        if self.finishing:
-            await asyncio.wait([asyncio.ensure_future(self._finished(sid))
-                                for sid in list(self.finishing)], timeout=60)
+        self._stopping.set()
+        if self.finishing or self.copying:
+            await asyncio.wait([*(asyncio.ensure_future(self._finished(sid))
+                                  for sid in list(self.finishing)),
+                                *self.copying.values()], timeout=60)
         for seg in [*self.pending.values(), *(s for v in self.pending_links.values()
                                                for s in v)]:
             self.store.discard(seg)
@@ -303,7 +308,7 @@ class Daemon:
             if entry is not None and not refresh:
                 self.index.touch(key, hit=not msg.get("own"))
                 self.save_soon()
-                fds = [self.index.segments[s].fd for s in entry.segments]
+                fds = [self.index.segments[s].serve_fd for s in entry.segments]
                 hit: HitReply = {"ok": True, "hit": True, "entry": self._wire_entry(entry)}
                 await asyncio.wait_for(chan.send(hit, fds), SEND_TIMEOUT)
                 return
@@ -453,10 +458,30 @@ class Daemon:
         if seg.tier == "file":
             self.finishing[seg.id] = seg
             asyncio.ensure_future(self._finish(seg))
+        for held in new[1:]:
+            if held.small_folios and held.id not in self.copying:
+                self.copying[held.id] = asyncio.ensure_future(self._copy(held))
         # Note [What a store promises]: "cached in this daemon" (these bytes or a miss, for
         # every later asker), not yet on disk: a crash keeps the entry whole or not at all
         # (``unsaved == 0`` once kept). More in docs/notes.md.
         return Answer({"ok": True, "key": key})
+
+    async def _copy(self, seg: Segment) -> None:
+        """Note [A copy to serve] (``store``): made in a thread, served once the source is still
+        what the entry holds."""
+        try:
+            fd, why = await asyncio.to_thread(self.store.copy_source, seg, self._stopping)
+        finally:
+            del self.copying[seg.id]
+        if fd < 0:
+            log.info("serving %s as it is: no copy (%s)", (seg.source or {}).get("path"), why)
+            return
+        seg.copy_fd = fd
+        if seg.id not in self.index.segments or seg.fd < 0 or seg.changed() is not None:
+            self.store.drop_copy(seg)  # evicted or changed meanwhile
+            return
+        log.info("serving %s from a copy in large folios (%d bytes)",
+                 (seg.source or {}).get("path"), seg.size)
 
     async def _finish(self, seg: Segment) -> None:
         try:
@@ -584,6 +609,7 @@ class Daemon:
             "tier": self.store.tier, "tier_reason": self.store.reason,
             "cache_dir": str(self.store.dir) if self.store.dir else None,
             "disk_bytes": disk, "memfd_bytes": memory, "resident_bytes": resident,
+            "copying": len(self.copying),
             "unsaved": len(self.finishing) + len(self.summing)
             + int(self._dirty or (self._saver is not None and not self._saver.done())),
             "evicted_mapped_bytes": sum(self.index.evicted.values()),
@@ -597,10 +623,10 @@ class Daemon:
         disk = memory = resident = 0
         for seg in self.index.segments.values():
             if seg.tier in ("file", "link"):
-                disk += footprint(seg)
+                disk += footprint(seg) + (seg.size if seg.copy_fd >= 0 else 0)
             else:
                 memory += footprint(seg)
-            resident += resident_bytes(seg.fd, seg.size) or 0
+            resident += resident_bytes(seg.serve_fd, seg.size) or 0
         return disk, memory, resident
 
     def list_entries(self) -> list[EntryJson]:
@@ -621,7 +647,7 @@ class Daemon:
                 "warm_seconds": list(entry.warm_seconds),
                 "warm_median_seconds": entry.warm_median, "holders": sorted(holders),
                 "replayable": entry.call is not None, "refresh": entry.refresh.copy(),
-                "resident_bytes": sum(resident_bytes(self.index.segments[s].fd,
+                "resident_bytes": sum(resident_bytes(self.index.segments[s].serve_fd,
                                                      self.index.segments[s].size) or 0
                                       for s in entry.own if s in self.index.segments),
                 "tier": sorted({self.index.segments[s].tier for s in entry.own

@@ -527,11 +527,17 @@ def _store(session: Session, info: _keys.KeyInfo, result: Any, cold: float,
 
 def _link_sources(session: Session, key: str, plan: WritePlan) -> dict[str, str]:
     """Ask the daemon to link the plan's source files: path -> segment id (refused ones missing:
-    another file system, the memfd tier, changed meanwhile)."""
+    the memfd tier, changed meanwhile, a file of the cache)."""
+    from overmind_lab._loading.sources import in_small_folios
+
     files = plan.files
     if not files:
         return {}
-    reply = session.link(key, [f.record() for f in files])
+    records = [f.record() for f in files]
+    for record in records:  # Note [Sources in small folios]
+        if in_small_folios(record["path"]):
+            record["small_folios"] = True
+    reply = session.link(key, records)
     return {f.path: str(seg["id"]) for f, seg in zip(files, reply["links"], strict=True)
             if seg is not None}
 
