@@ -317,6 +317,19 @@ def test_a_source_in_small_folios_is_served_from_a_copy_in_large_folios(
     assert served_from(written, by_path=True) == {"copy": False, "source": True}
     assert log_text(daemon.path).count("from a copy in large folios") == 1
     assert daemon.status()["disk_bytes"] >= 2 * saved.stat().st_size
+    # A copy changed on disk is dropped at the next hit, which the source serves.
+    copy.chmod(0o600)
+    with open(copy, "r+b") as f:
+        f.seek(-4, os.SEEK_END)
+        f.write(b"\xff\xff\xff\xff")
+    assert load_file_child(saved, by_path=False) == {"outcome": "warm", "sums": many_sums(32)}
+    assert "the copy of" in log_text(daemon.path) and not copy.exists()
+    assert served_from(saved, by_path=False) == {"copy": False, "source": True}
+    # (A store is when a copy is made: stored again, it has one again.)
+    daemon.evict_all()
+    assert load_file_child(saved, by_path=False)["outcome"] == "cold"
+    wait_saved(daemon)
+    [copy] = cache_dir().glob("*.copy")
     # Changed in place (same size, mtime set back): the entry goes, and its copy with it.
     old = saved.stat()
     fresh = save_many(tmp_path / "incoming.safetensors", 32, plus=0.5).read_bytes()
@@ -328,9 +341,26 @@ def test_a_source_in_small_folios_is_served_from_a_copy_in_large_folios(
     assert not copy.exists()
     # A restarted daemon keeps the entries of held files, never a copy.
     wait_saved(daemon)
-    assert kill_and_restart(daemon)["entries"] == 2
+    assert kill_and_restart(daemon)["entries"] == 1
     assert list(cache_dir().glob("*.copy")) == []
-    assert load_file_child(written, by_path=True)["outcome"] == "warm"
+    assert load_file_child(saved, by_path=False) == {"outcome": "warm",
+                                                     "sums": many_sums(32, plus=0.5)}
+
+
+def test_an_entry_evicted_while_its_copy_is_made_leaves_nothing(
+        daemon: Client, tmp_path: Path) -> None:
+    """Whenever the eviction comes (before, during or after the copy), no copy stays."""
+    from overmind_lab._loading.sources import in_small_folios
+
+    saved = save_many(tmp_path / "saved.safetensors", 32)
+    if not in_small_folios(str(saved)):
+        pytest.skip("this file system keeps no small folios apart from large ones")
+    for _ in range(3):
+        assert load_file_child(saved, by_path=True)["outcome"] == "cold"
+        daemon.evict_all()
+        wait_saved(daemon)
+        assert list(cache_dir().glob("*.copy")) == []
+        assert daemon.status()["entries"] == 0
 
 
 def test_a_source_in_small_folios_is_served_as_it_is_when_the_disk_has_no_room(

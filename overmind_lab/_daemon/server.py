@@ -467,21 +467,28 @@ class Daemon:
         return Answer({"ok": True, "key": key})
 
     async def _copy(self, seg: Segment) -> None:
-        """Note [A copy to serve] (``store``): made in a thread, served once the source is still
-        what the entry holds."""
+        """Note [A copy to serve] (``store``): made in a thread from a duplicate of the held
+        descriptor, served once the source is still what the entry holds."""
+        path = (seg.source or {}).get("path")
         try:
-            fd, why = await asyncio.to_thread(self.store.copy_source, seg, self._stopping)
+            src = os.dup(seg.fd)
+        except OSError as exc:
+            del self.copying[seg.id]
+            log.info("serving %s as it is: no copy (%s)", path, exc)
+            return
+        try:
+            fd, why = await asyncio.to_thread(self.store.copy_source, seg, src, self._stopping)
         finally:
+            os.close(src)
             del self.copying[seg.id]
         if fd < 0:
-            log.info("serving %s as it is: no copy (%s)", (seg.source or {}).get("path"), why)
+            log.info("serving %s as it is: no copy (%s)", path, why)
             return
-        seg.copy_fd = fd
+        seg.serve_copy(fd)
         if seg.id not in self.index.segments or seg.fd < 0 or seg.changed() is not None:
             self.store.drop_copy(seg)  # evicted or changed meanwhile
             return
-        log.info("serving %s from a copy in large folios (%d bytes)",
-                 (seg.source or {}).get("path"), seg.size)
+        log.info("serving %s from a copy in large folios (%d bytes)", path, seg.size)
 
     async def _finish(self, seg: Segment) -> None:
         try:
@@ -515,6 +522,10 @@ class Daemon:
             if seg is None:
                 continue
             why = seg.check()
+            if why is None and seg.copy_moved():  # Note [A copy to serve]: the source again
+                log.warning("the copy of %s changed on disk: serving the file itself",
+                            (seg.source or {}).get("path"))
+                self.store.drop_copy(seg)
             if why is None and not seg.sum_ok:
                 try:
                     await self._check_sum(seg)

@@ -117,6 +117,19 @@ class Segment:
     #: place once made (Note [A copy to serve])
     small_folios: bool = False
     copy_fd: int = -1
+    copy_stamp: list[int] | None = None  # the copy's identity when it was made
+
+    def serve_copy(self, fd: int) -> None:
+        """Serve ``fd``, a finished copy of the source (Note [A copy to serve])."""
+        self.copy_fd, self.copy_stamp = fd, identity(os.fstat(fd))
+
+    def copy_moved(self) -> bool:
+        """Whether the copy being served is no longer as it was made (Note [A copy to
+        serve]): then the source is served again."""
+        try:
+            return self.copy_fd >= 0 and identity(os.fstat(self.copy_fd)) != self.copy_stamp
+        except OSError:
+            return True
 
     @property
     def serve_fd(self) -> int:
@@ -160,10 +173,14 @@ class Segment:
 
     def changed(self) -> str | None:
         """Link tier: why the source file no longer is what was recorded, or ``None``."""
+        return self.changed_at(self.fd)
+
+    def changed_at(self, fd: int) -> str | None:
+        """``changed``, of the source file open as ``fd`` (a duplicate of ours)."""
         if self.source is None:
             return None
         try:
-            return self._source_changed(os.fstat(self.fd))
+            return self._source_changed(os.fstat(fd))
         except OSError as exc:
             return f"cannot check it: {exc}"
 
@@ -362,35 +379,39 @@ class Store:
         return Segment(sid, fd, st.st_size, "link", persisted=True, source=keep,
                        small_folios=bool(record.get("small_folios"))), ""
 
-    def copy_source(self, seg: Segment, stop: threading.Event) -> tuple[int, str]:
-        """A copy of a held source file to serve in its place, written in PMD-sized folios:
-        ``(read-only fd, "")``, or ``(-1, why not)``. Blocking; ``stop`` ends it early.
+    def copy_source(self, seg: Segment, src: int, stop: threading.Event) -> tuple[int, str]:
+        """A copy of the held source file ``src`` (the caller's duplicate of ``seg.fd``) to
+        serve in its place, written in PMD-sized folios: ``(read-only fd, "")``, or ``(-1, why
+        not)``. Blocking; ``stop`` ends it early; nothing of ``seg`` changes.
 
         Note [A copy to serve]: a file just saved sits in the page cache in small folios
-        (Note [Sources in small folios are copied] in ``_loading/sources.py``), and every warm
-        load's first touch pays for them: 65-70 ms for a 1.7 GB fp16 UNet, against 7 ms in
-        PMD-sized folios. The daemon copies it with ``pread`` (no mapping: a truncated source
-        gives a short read, never ``SIGBUS``) into ``<id>.copy`` in aligned 8 MiB ``pwrite``
-        windows from one resident buffer (Note [Filling a segment]), and hands the copy out at
-        hits; the entry stays the source's: every check before a hit is the held file's, as
-        before, and a changed source drops the entry with its copy. The bytes are the source's
-        if its identity (ctime moves on any write) is the recorded one before and after the
-        copy. Only local file systems are read (a hung network mount would hang a thread), only
-        with room on the disk; the copy is not kept across a restart (``collect`` deletes it)."""
+        (Note [Sources in small folios] in ``_loading/sources.py``), and every warm load's
+        first touch pays for them: 59-72 ms for a 1.7 GB fp16 UNet, against 13 ms from the
+        copy. The daemon copies it with ``pread`` (no mapping: a truncated source gives a short
+        read, never ``SIGBUS``) into ``<id>.copy`` in aligned 8 MiB ``pwrite`` windows from one
+        resident buffer (Note [Filling a segment]), and hits hand the copy out; the entry stays
+        the source's: every check before a hit is the held file's, as before, and a changed
+        source drops the entry with its copy. The bytes are the source's if its identity (ctime
+        moves on any write) is the recorded one before and after the copy. The copy's own
+        identity is checked at every hit too (``copy_moved``): moved, it is dropped and the
+        source served. The caller's duplicate descriptor keeps an eviction meanwhile from
+        closing (and the number being reused) under the copy. Only local file systems are read
+        (a hung network mount would hang a thread), only with room on the disk; the copy is
+        not kept across a restart (``collect`` deletes it). More in docs/notes.md."""
         assert self.dir is not None
-        why = seg.changed()
+        why = seg.changed_at(src)
         if why is not None:
             return -1, why
-        try:
-            fstype = filesystem_type(Path(str((seg.source or {}).get("path"))))
-        except OSError as exc:
-            return -1, f"its file system is unknown ({exc.strerror})"
+        fstype = filesystem_type(Path(str((seg.source or {}).get("path"))))
         if fstype == "unknown" or fstype.partition(".")[0] in FALLBACK_FILESYSTEMS:
             return -1, f"it is on {fstype}, not a local disk"
         if not self._has_room(seg.size):
             return -1, "the disk has no room for it"
         name = seg.id + COPY_SUFFIX
-        rw = self._open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            rw = self._open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except (OSError, Corrupt) as exc:
+            return -1, f"cannot create {name}: {exc}"
         try:
             os.ftruncate(rw, seg.size)
             buf = memoryview(bytearray(min(_WINDOW, seg.size)))
@@ -398,10 +419,10 @@ class Store:
                 if stop.is_set():
                     raise _Abandoned("the daemon is stopping")
                 want = min(_WINDOW, seg.size - at)
-                if os.preadv(seg.fd, [buf[:want]], at) != want:
+                if os.preadv(src, [buf[:want]], at) != want:
                     raise _Abandoned("the source file got shorter")
                 pwrite_all(rw, buf[:want], at)
-            why = seg.changed()
+            why = seg.changed_at(src)
             if why is not None:
                 raise _Abandoned(why)
             os.fchmod(rw, 0o400)
@@ -418,6 +439,7 @@ class Store:
         if seg.copy_fd >= 0:
             os.close(seg.copy_fd)
             seg.copy_fd = -1
+            seg.copy_stamp = None
             self._unlink(seg.id + COPY_SUFFIX)
 
     def finish(self, seg: Segment) -> None:
