@@ -363,6 +363,27 @@ def test_an_entry_evicted_while_its_copy_is_made_leaves_nothing(
         assert daemon.status()["entries"] == 0
 
 
+def test_a_source_in_small_folios_is_served_as_it_is_when_its_copy_exceeds_the_budget(
+        sock_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Copies fit in the budget beside what is cached (``disk_bytes`` may show both)."""
+    from overmind_lab._loading.sources import in_small_folios
+
+    saved = save_many(tmp_path / "saved.safetensors", 32)  # 128 MiB
+    if not in_small_folios(str(saved)):
+        pytest.skip("this file system keeps no small folios apart from large ones")
+    monkeypatch.setenv("OVERMIND_LAB_BUDGET", str(200 << 20))  # the entry fits, its copy not
+    client = Client()
+    try:
+        client.start()
+        assert load_file_child(saved, by_path=True)["outcome"] == "cold"
+        wait_saved(client)
+        assert load_file_child(saved, by_path=True)["outcome"] == "warm"
+        assert list(cache_dir().glob("*.copy")) == []
+        assert "no copy (it does not fit in the budget)" in log_text(sock_path)
+    finally:
+        client.stop()
+
+
 def test_a_source_in_small_folios_is_served_as_it_is_when_the_disk_has_no_room(
         sock_path: Path, small_fs: Path, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -470,6 +470,11 @@ class Daemon:
         """Note [A copy to serve] (``store``): made in a thread from a duplicate of the held
         descriptor, served once the source is still what the entry holds."""
         path = (seg.source or {}).get("path")
+        copies = sum(s.size for s in self.index.segments.values() if s.copy_fd >= 0)
+        if self.index.cached_bytes + copies + seg.size > self.index.budget:
+            del self.copying[seg.id]  # copies fit in the budget beside what is cached
+            log.info("serving %s as it is: no copy (it does not fit in the budget)", path)
+            return
         try:
             src = os.dup(seg.fd)
         except OSError as exc:

@@ -396,8 +396,9 @@ class Store:
         identity is checked at every hit too (``copy_moved``): moved, it is dropped and the
         source served. The caller's duplicate descriptor keeps an eviction meanwhile from
         closing (and the number being reused) under the copy. Only local file systems are read
-        (a hung network mount would hang a thread), only with room on the disk; the copy is
-        not kept across a restart (``collect`` deletes it). More in docs/notes.md."""
+        (a hung network mount would hang a thread), only with room on the disk and in the
+        budget beside what is cached (the daemon checks that); the copy is not kept across a
+        restart (``collect`` deletes it). More in docs/notes.md."""
         assert self.dir is not None
         why = seg.changed_at(src)
         if why is not None:
