@@ -140,7 +140,8 @@ def _caption(results: dict[str, Any], note: str | None) -> list[str]:
                      f"{pss['plain_sum_bytes'] / mib:.0f} MiB, warm "
                      f"{pss['warm_sum_bytes'] / mib:.0f} MiB "
                      f"({pss['warm_in_plain_kernels']:.2f} plain kernels; zygote "
-                     f"{pss['zygote_pss_bytes'] / mib:.0f} MiB more).")
+                     f"{pss['zygote_pss_bytes'] / mib:.0f} MiB and standbys "
+                     f"{sum(pss.get('standby_pss', [])) / mib:.0f} MiB more).")
     if note:
         lines.append(note)
     return lines

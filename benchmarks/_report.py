@@ -442,7 +442,9 @@ def _warm_kernel_markdown(wk: dict[str, Any] | None) -> list[str]:
         return lines + [f"Not measured: {wk['error']}"]
     lines += [f"`POST api/kernels/<id>/restart`, then a new websocket and `kernel_info` (what "
               f"JupyterLab does); the load cell (`%overmind_load`, imports included, warm "
-              f"cache) right after. Medians of {wk.get('repeat')} restarts per kernelspec.", "",
+              f"cache) right after. Medians of {wk.get('repeat')} restarts per kernelspec, each "
+              f"2 s after the last cell (a warm kernel's next one is forked a second after its "
+              f"launch: Note [A standby kept ready]).", "",
               "| model | restart -> kernel_info_reply, plain | warm | cell after restart, plain "
               "| warm | warm/plain (cell) | forked |",
               "| --- | ---: | ---: | ---: | ---: | ---: | :---: |"]
@@ -465,7 +467,9 @@ def _warm_kernel_markdown(wk: dict[str, Any] | None) -> list[str]:
                       f"transformers imported): plain {p['plain_sum_bytes'] / mib:.0f} MiB, warm "
                       f"{p['warm_sum_bytes'] / mib:.0f} MiB = **{p['warm_in_plain_kernels']:.2f}** "
                       f"plain kernels (target below 2); with the zygote's own "
-                      f"{p['zygote_pss_bytes'] / mib:.0f} MiB: "
+                      f"{p['zygote_pss_bytes'] / mib:.0f} MiB and the "
+                      f"{len(p.get('standby_pss', []))} standbys kept ready (Note [A standby "
+                      f"kept ready]) {sum(p.get('standby_pss', [])) / mib:.0f} MiB: "
                       f"{p['warm_with_zygote_in_plain_kernels']:.2f} plain kernels."]
     return lines
 

@@ -364,7 +364,7 @@ class Bench:
         p = out["pss"]
         self.progress(f"warm-kernel: PSS of {p['kernels']} idle kernels: plain "
                       f"{p['plain_sum_bytes'] / 2**20:.0f} MiB, warm {p['warm_sum_bytes'] / 2**20:.0f} "
-                      f"MiB = {p['warm_in_plain_kernels']:.2f} plain kernels (+ zygote: "
+                      f"MiB = {p['warm_in_plain_kernels']:.2f} plain kernels (+ zygote, standbys: "
                       f"{p['warm_with_zygote_in_plain_kernels']:.2f})")
         if not all(p["warm_forked"]):
             self.error("warm-kernel: an idle warm kernel was not forked from the zygote")

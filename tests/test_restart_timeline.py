@@ -49,6 +49,18 @@ def test_timeline_writes_a_json_line_only_when_asked(tmp_path: Path,
     timeline("unwritable: ignored")
 
 
+def test_a_standby_waits_as_long_as_its_request_says_within_bounds() -> None:
+    """Note [A standby kept ready]: ``standby_wait`` in a fork request, bounded."""
+    from overmind_lab._forked.become import MAX_STANDBY_SECONDS, STANDBY_SECONDS
+    from overmind_lab._zygote.loop import _standby_wait
+
+    assert _standby_wait({}) == STANDBY_SECONDS  # type: ignore[typeddict-item]
+    for asked, waits in ((3600, 3600.0), (-5, 1.0), (10 * MAX_STANDBY_SECONDS, MAX_STANDBY_SECONDS),
+                         (float("nan"), STANDBY_SECONDS), (True, STANDBY_SECONDS),
+                         ("3600", STANDBY_SECONDS)):
+        assert _standby_wait({"standby_wait": asked}) == waits, asked  # type: ignore[typeddict-item]
+
+
 @pytest.fixture(scope="module")
 def timed_zygote() -> Iterator[Path]:
     """A private zygote directory with its zygote; yields the timeline file."""
@@ -59,6 +71,19 @@ def timed_zygote() -> Iterator[Path]:
         first.close()
         ready_zygote(d)
         yield d / "timeline.jsonl"
+
+
+@pytest.fixture(autouse=True)
+def standby_ahead(request: pytest.FixtureRequest,
+                  monkeypatch: pytest.MonkeyPatch) -> float | None:
+    """Note [A standby kept ready] off (these tests follow a standby forked at the restart),
+    unless a test is marked ``standby_ahead(SECONDS)``."""
+    from overmind_lab._jupyter_server.provisioner import WarmProvisioner
+
+    marker = request.node.get_closest_marker("standby_ahead")
+    seconds = marker.args[0] if marker else None
+    monkeypatch.setattr(WarmProvisioner, "standby_ahead_s", seconds)
+    return seconds
 
 
 def _events_since(path: Path, t0: float) -> list[dict[str, Any]]:
@@ -327,24 +352,158 @@ def test_restarts_with_the_standby_killed_at_each_point_always_end_with_a_workin
         k.close()
 
 
+def _kept_ready(path: Path, t0: float, kernel: int) -> int:
+    """Note [A standby kept ready]: wait until the standby forked after ``kernel``'s launch
+    waits at its sockets; its pid."""
+    def ready() -> int | None:
+        events = _events_since(path, t0)
+        forked = [e["kernel"] for e in events if e["event"] == "zygote.fork_reply"
+                  and e["kernel"] != kernel]
+        waiting = {e["pid"] for e in events if e["event"] == "child.standby"}
+        return next((pid for pid in forked if pid in waiting), None)
+
+    return _wait_for(ready, 60, "the standby kept ready")
+
+
 @pytest.mark.slow
+@pytest.mark.standby_ahead(0.0)
+def test_a_standby_kept_ready_is_the_restarted_kernel(timed_zygote: Path,
+                                                      tmp_path: Path) -> None:
+    """Note [A standby kept ready]: forked after the launch, it waits; the restart checks the
+    zygote's files and the config folders, tells it to go, and forks nothing. It is a new
+    kernel: the old one's atexit ran, its variables are gone, the next restart has one too."""
+    t0 = time.time()
+    k = Kernel(cwd=str(tmp_path))
+    try:
+        assert k.warm, k.log_text()
+        standby = _kept_ready(timed_zygote, t0, k.pid)
+        marker = tmp_path / "atexit-ran"
+        k.run(f"x = 1; import atexit; atexit.register(lambda: open({str(marker)!r}, 'w')"
+              ".write('ran'))")
+        old = k.pid
+        t1 = time.time()
+        k.restart()
+        assert k.warm and k.pid == standby and k.pid != old, _events_since(timed_zygote, t1)
+        assert marker.read_text() == "ran"
+        assert k.run("print('x' in globals(), 6 * 7)").strip() == "False 42"
+        events = _events_since(timed_zygote, t1)
+        names = [e["event"] for e in events]
+        assert "provisioner.standby_go" in names, events
+        assert "provisioner.standby_dropped" not in names, events
+        # the only fork since is the restarted kernel's own standby kept ready
+        forks = [e for e in events if e["event"] == "zygote.fork_request"]
+        assert all(e["standby"] for e in forks), forks
+        # and the restarted kernel has one kept ready in its turn
+        assert _kept_ready(timed_zygote, t1, k.pid) not in (old, standby)
+    finally:
+        k.close()
+
+
+@pytest.mark.slow
+@pytest.mark.standby_ahead(0.0)
+def test_a_standby_kept_ready_is_dropped_when_a_config_file_changed(
+        timed_zygote: Path, tmp_path: Path) -> None:
+    """Note [A standby kept ready]: a config file written after its fork is read by the
+    restarted kernel, which is then forked anew; the standby exits unstarted."""
+    ipython = tmp_path / "ipython"
+    (ipython / "profile_default").mkdir(parents=True)
+    t0 = time.time()
+    k = Kernel(cwd=str(tmp_path), env={"IPYTHONDIR": str(ipython)})
+    try:
+        assert k.warm, k.log_text()
+        standby = _kept_ready(timed_zygote, t0, k.pid)
+        (ipython / "profile_default" / "ipython_kernel_config.py").write_text(
+            "c.IPKernelApp.exec_lines = ['configured = 42']\n")
+        t1 = time.time()
+        k.restart()
+        assert k.warm and k.pid != standby, k.log_text()
+        assert k.run("print(configured)").strip() == "42"
+        [dropped] = [e for e in _events_since(timed_zygote, t1)
+                     if e["event"] == "provisioner.standby_dropped"]
+        assert dropped["kernel"] == standby and "config" in dropped["reason"], dropped
+        _wait_for(lambda: not _alive(standby), 30, "the dropped standby to exit")
+    finally:
+        k.close()
+
+
+@pytest.mark.slow
+@pytest.mark.standby_ahead(0.0)
+def test_a_standby_kept_ready_exits_with_its_kernel(timed_zygote: Path,
+                                                    tmp_path: Path) -> None:
+    t0 = time.time()
+    k = Kernel(cwd=str(tmp_path))
+    try:
+        assert k.warm, k.log_text()
+        standby = _kept_ready(timed_zygote, t0, k.pid)
+    finally:
+        k.close()
+    _wait_for(lambda: not _alive(standby), 30, "the standby to exit with its kernel")
+
+
+@pytest.mark.slow
+@pytest.mark.standby_ahead(0.0)
+def test_restarts_with_the_standby_kept_ready_killed_at_each_point_end_with_a_working_kernel(
+        timed_zygote: Path, tmp_path: Path) -> None:
+    """The fault loop above with standbys kept ready (Note [A standby kept ready]): killed
+    while it waits, the restart forks a kernel of its own; killed right after its go, the
+    next restart brings a working one; each restarted kernel gets a standby in its turn."""
+    import random
+
+    rng = random.Random(27)
+    faults = ["none", "before_restart", "after_go"] * 2
+    rng.shuffle(faults)
+    t_launch = time.time()
+    k = Kernel(cwd=str(tmp_path))
+    standbys: set[int] = set()
+    try:
+        assert k.warm, k.log_text()
+        for n, fault in enumerate(faults):
+            old = k.pid
+            standby = _kept_ready(timed_zygote, t_launch, old)
+            standbys.add(standby)
+            if fault == "before_restart":
+                kill_and_wait(standby)
+            t_launch = time.time()
+            k.restart()
+            if fault == "after_go":
+                assert k.pid == standby, (n, fault, k.log_text())
+                kill_and_wait(standby)
+                _wait_for(lambda: not k.km.is_alive(), 30, "the killed kernel to be seen dead")
+                t_launch = time.time()
+                k.restart()
+            if fault == "none":
+                assert k.warm and k.pid == standby, (n, fault, k.log_text())
+            else:
+                assert k.warm and k.pid not in (old, standby), (n, fault, k.log_text())
+            assert k.run(f"print({n} * 7)").strip() == str(n * 7), (n, fault)
+    finally:
+        k.close()
+    _wait_for(lambda: not [p for p in standbys if _alive(p)], 30, "every standby to exit")
+
+
+@pytest.mark.slow
+@pytest.mark.standby_ahead(0.0)
 def test_a_file_changed_before_the_restart_request_makes_the_restart_plain(
         timed_zygote: Path, tmp_path: Path) -> None:
     """Note [Checked while the old kernel exits]: the early check still sees an edit made
-    while the old kernel ran (last in this module: it retires the module's zygote)."""
+    while the old kernel ran, also with a standby kept ready (Note [A standby kept ready])
+    forked before the edit (last in this module: it retires the module's zygote)."""
     import threadpoolctl
 
+    t0 = time.time()
     k = Kernel(cwd=str(tmp_path))
     path = Path(threadpoolctl.__file__)
     st = path.stat()
     try:
         assert k.warm, k.log_text()
+        standby = _kept_ready(timed_zygote, t0, k.pid)
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
         k.restart()
         # the check retired the zygote (its socket gone): the launch is plain and starts a
         # fresh zygote for the next one
         assert not k.warm, k.log_text()
         assert k.run("print(6 * 7)").strip() == "42"
+        _wait_for(lambda: not _alive(standby), 30, "the stale standby to exit")
     finally:
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
         k.close()

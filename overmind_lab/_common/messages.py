@@ -315,6 +315,8 @@ class ForkRequest(TypedDict):
     #: Note [A standby for the restart]: fork now, and let the kernel bind its ports and go on
     #: only once the requester writes ``go`` on the descriptor the reply carries after the pidfd
     standby: NotRequired[bool]
+    #: a standby's longest wait for ``go``, in seconds (Note [A standby kept ready])
+    standby_wait: NotRequired[float]
 
 
 class ZygoteOpRequest(TypedDict):

@@ -185,23 +185,29 @@ def ask(sock_path: Path, request: ZygoteOpRequest, timeout: float = 5.0) -> Zygo
         sock.close()
 
 
-def check_early(cmd: list[str], env: dict[str, str]) -> None:
+def check_early(cmd: list[str], env: dict[str, str]) -> str | None:
     """Note [Checked while the old kernel exits]: have the zygote for ``cmd`` check its
-    preloaded files now (blocking; every failure ignored: the fork then checks)."""
+    preloaded files now (blocking): why it is stale or cannot be asked, or ``None`` (a fork
+    that follows checks again if this failed)."""
     try:
-        ask(ZygotePaths.for_launch(cmd[0], env).socket, {"op": "check"})
-    except (OvermindError, OSError, ValueError):
-        pass
+        reply = ask(ZygotePaths.for_launch(cmd[0], env).socket, {"op": "check"})
+    except (OvermindError, OSError, ValueError) as exc:
+        return f"the zygote could not check its files: {exc}"
+    if reply.get("ok"):
+        return None
+    return str(cast(ZygoteRefusal, reply).get("reason") or "the zygote is stale")
 
 
 def request_fork(cmd: list[str], env: dict[str, str], cwd: str,
                  stdio: list[int], watch_parent: bool,
                  attributes: JsonObject | None = None,
-                 checked_since: float | None = None, standby: bool = False) -> WarmKernel:
+                 checked_since: float | None = None, standby: bool = False,
+                 standby_wait: float | None = None) -> WarmKernel:
     """Ask the zygote for ``cmd`` (blocking), starting one when none runs. ``attributes``
     (``inherit.observe()``) are what the kernel takes on; ``None``: the zygote's own.
     ``checked_since``: Note [Checked while the old kernel exits]. ``standby``: a kernel that
-    waits for :meth:`WarmKernel.go` (Note [A standby for the restart])."""
+    waits for :meth:`WarmKernel.go` (Note [A standby for the restart]), at most
+    ``standby_wait`` seconds (Note [A standby kept ready])."""
     if not sys.platform.startswith("linux"):
         raise WarmUnavailable(f"warm kernels need Linux (this is {sys.platform})")
     paths = ZygotePaths.for_launch(cmd[0], env)
@@ -212,6 +218,8 @@ def request_fork(cmd: list[str], env: dict[str, str], cwd: str,
         request["checked_since"] = checked_since
     if standby:
         request["standby"] = True
+    if standby and standby_wait is not None:
+        request["standby_wait"] = standby_wait
     for attempt in (1, 2):
         inode = _inode(paths.socket)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)

@@ -64,6 +64,8 @@ class ForkTask:
     start_env: dict[str, str] = field(default_factory=dict)
     #: A standby's: ``go`` arrives here (Note [A standby for the restart]); ``None``: go at once.
     go_fd: int | None = None
+    #: How long a standby waits for ``go`` (Note [A standby kept ready]).
+    go_wait: float = 120.0
 
 
 
@@ -81,13 +83,17 @@ INTENDED_DIFFERENCES = (
     "bound at the fork])",
     "on a restart it starts while the old kernel shuts down: its config files and command line "
     "are read tens of ms after the restart request, its ports bound once the old kernel "
-    "exited (Note [A standby for the restart])",
+    "exited (Note [A standby for the restart]); or it was forked a second after the old "
+    "kernel's launch and waited, its config files checked unchanged at the restart (Note [A "
+    "standby kept ready])",
     "a preloaded numpy's BLAS thread pool (sized for the kernel: Note [BLAS threads]) runs "
     "from the start; a fresh kernel starts it when it imports numpy",
 )
 
-#: Note [A standby for the restart]: how long a standby waits for its ``go`` at most.
+#: Note [A standby for the restart]: how long a standby waits for its ``go`` at most, unless
+#: its request says (Note [A standby kept ready]), and the longest a request may say.
 STANDBY_SECONDS = 120.0
+MAX_STANDBY_SECONDS = 24 * 3600.0
 
 
 def _starting_sigint(signum: int, frame: object) -> None:
@@ -274,7 +280,7 @@ def _standby_until_go(task: ForkTask) -> None:
     went: list[list[int]] = []
 
     def wait() -> None:
-        if read_pipe(go_fd, STANDBY_SECONDS, until=b"go") == b"go":
+        if read_pipe(go_fd, task.go_wait, until=b"go") == b"go":
             went.append(ports.bind_kernel_ports(task.argv[3:]))
             timeline("child.go", task.env, ports=went[0])
 

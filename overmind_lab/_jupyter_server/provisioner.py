@@ -19,6 +19,15 @@ Note [A standby for the restart]: when a restart's shutdown is requested, the ne
 forked at once from the last launch's request (``standby``) and stops before binding its sockets;
 the launch tells it to go if it equals that launch, or lets it exit unstarted and forks its own.
 More in docs/notes.md.
+
+Note [A standby kept ready]: a standby forked at the restart request is ready ~110 ms later,
+while the old kernel is gone in ~55 ms: the launch waited for it. So a second after a warm
+launch (``standby_ahead_s``) the next kernel is forked already, and waits for that kernel's
+restart (up to a day). What it read before its sockets may have changed meanwhile: at the
+restart the zygote checks its files (while the old kernel shuts down), and the config folders a
+kernel reads as it starts (Jupyter's, IPython's profile) and its working directory must be as
+they were at its fork (``_kernel_config_signature``); else it exits unstarted and the launch forks
+anew. More in docs/notes.md.
 """
 
 from __future__ import annotations
@@ -29,8 +38,9 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning.local_provisioner import LocalProvisioner
@@ -48,8 +58,13 @@ from overmind_lab._common.zygote_client import (
 
 __all__ = ["WarmProvisioner"]
 
+T = TypeVar("T")
+
 #: Note [Exit on the pidfd]: the longest a ``poll`` after a shutdown request waits for the exit.
 _SHUTDOWN_POLL_S = 1.0
+#: Note [A standby kept ready]: how long a standby forked ahead waits for its restart.
+_KEPT_READY_S = 24 * 3600.0
+_CONFIG_SUFFIXES = (".py", ".json")
 
 
 def _stdio_fds(kwargs: dict[str, Any]) -> list[int]:
@@ -94,11 +109,75 @@ class _Launch(NamedTuple):
     connection: dict[str, Any]  # the connection info
 
 
+def _in_thread(fn: Callable[..., T], *args: Any) -> Future[T]:
+    """``fn(*args)`` in a new thread: a future any event loop can await (``wrap_future``)."""
+    result: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            result.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - the awaiting side reads it
+            result.set_exception(exc)
+
+    threading.Thread(target=run, name="overmind-lab-provisioner", daemon=True).start()
+    return result
+
+
+def _identity(path: str, contents: bool = True) -> tuple[str, int, int, int] | None:
+    """A file's or folder's identity; with ``contents`` its size and mtime too."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if not contents:
+        return (path, st.st_dev, st.st_ino, 0)
+    return (path, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _kernel_config_signature(launch: _Launch) -> tuple[tuple[str, int, int, int] | None, ...]:
+    """Note [A standby kept ready]: what a kernel reads as it starts, before its sockets, by
+    identity: the config folders (Jupyter's config path, the launch's ``JUPYTER_CONFIG_DIR``
+    and ``JUPYTER_CONFIG_PATH``, IPython's folder and its default profile) and the names and
+    identities of their ``.py`` and ``.json`` files, and which folder the working directory
+    is."""
+    from jupyter_core.paths import jupyter_config_path
+
+    env = launch.env
+    ipython = env.get("IPYTHONDIR") or os.path.join(env.get("HOME") or os.path.expanduser("~"),
+                                                    ".ipython")
+    folders = [*jupyter_config_path(), *filter(None, [env.get("JUPYTER_CONFIG_DIR")]),
+               *filter(None, (env.get("JUPYTER_CONFIG_PATH") or "").split(os.pathsep)),
+               ipython, os.path.join(ipython, "profile_default")]
+    found: list[tuple[str, int, int, int] | None] = [_identity(launch.cwd, contents=False)]
+    for folder in dict.fromkeys(folders):
+        # which folder, not its mtime: a kernel writes its history beside its config
+        found.append(_identity(folder, contents=False))
+        try:
+            names = sorted(os.listdir(folder))
+        except OSError:
+            continue
+        found.extend(_identity(os.path.join(folder, n)) for n in names
+                     if n.endswith(_CONFIG_SUFFIXES))
+    return tuple(found)
+
+
 class _Standby(NamedTuple):
     """A standby being forked (a thread's future, not the event loop's: the launch may await
-    it in another loop), and the launch it is forked for."""
+    it in another loop), and the launch it is forked for; one forked ahead (Note [A standby
+    kept ready]) with what its kernel read as it started."""
     kernel: Future[WarmKernel]
     launch: _Launch
+    ahead: bool = False
+    config: tuple[tuple[str, int, int, int] | None, ...] = ()
+
+    def waiting(self) -> bool:
+        """Forked ahead, and not known to have failed or exited (Note [A standby kept
+        ready])."""
+        if not self.ahead:
+            return False
+        if not self.kernel.done():
+            return True
+        return self.kernel.exception() is None and not self.kernel.result().exited()
 
     def drop(self) -> None:
         """The standby exits (once forked, if it is still being forked)."""
@@ -120,9 +199,19 @@ class WarmProvisioner(LocalProvisioner):
     #: (``time.monotonic()``).
     _launched: _Launch | None = None
     _restart_since: float | None = None
-    _early_check: asyncio.Future[None] | None = None
-    #: Note [A standby for the restart]: the next kernel, forked while the old one exits.
+    _early_check: Future[str | None] | None = None
+    #: Note [A standby for the restart]: the next kernel, forked while the old one exits, or
+    #: ahead (Note [A standby kept ready]: ``standby_ahead_s`` after a warm launch; ``None``:
+    #: never ahead).
     _standby: _Standby | None = None
+    standby_ahead_s: float | None = 1.0
+    _ahead_timer: threading.Timer | None = None
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        #: Note [A standby kept ready]: ``_standby`` changes in the event loop's thread and in
+        #: the timer's (jupyter_client's synchronous manager runs its loop only during calls)
+        self._standby_lock = threading.Lock()
 
     @property
     def has_process(self) -> bool:
@@ -142,7 +231,8 @@ class WarmProvisioner(LocalProvisioner):
         cmd = kernel_argv(cmd)  # the kernelspec's argv is the launcher (``_launcher``)
         self._shutting_down = False
         checked_since, self._restart_since = self._restart_since, None
-        standby, self._standby = self._standby, None
+        with self._standby_lock:
+            standby, self._standby = self._standby, None
         self._drop_warm()  # a previous kernel not waited for: its pidfd and reader go
         t0 = time.perf_counter()
         launch = self._launch_of(cmd, kwargs, {})
@@ -175,12 +265,32 @@ class WarmProvisioner(LocalProvisioner):
         timeline("provisioner.launch.end", env, warm=True, kernel=warm.pid)
         self.log.info("overmind-lab: warm kernel %d forked in %.0f ms", warm.pid,
                       (time.perf_counter() - t0) * 1000)
+        if is_ipykernel(cmd) and self.standby_ahead_s is not None:  # Note [A standby kept ready]
+            timer = threading.Timer(self.standby_ahead_s, self._fork_ahead, (launch, warm))
+            timer.daemon = True
+            self._ahead_timer = timer
+            timer.start()
         return self.connection_info
+
+    def _fork_ahead(self, launch: _Launch, warm: WarmKernel) -> None:
+        """Note [A standby kept ready]: fork the next kernel for ``warm``'s restart (in the
+        timer's thread, which the event loop's thread started: its nice value and affinity)."""
+        with self._standby_lock:
+            if (self._shutting_down or self._standby is not None or self.warm is not warm
+                    or self._launched is not launch or warm.exited()):
+                return
+            self._start_standby(launch, ahead=True)
+
+    def _cancel_ahead(self) -> None:
+        timer, self._ahead_timer = self._ahead_timer, None
+        if timer is not None:
+            timer.cancel()
 
     async def _standby_for_launch(self, standby: _Standby | None,
                                   launch: _Launch) -> WarmKernel | None:
         """Note [A standby for the restart]: the standby forked for this launch, told to go;
         ``None`` when there is none, or it was forked for another launch (then it exits)."""
+        early, self._early_check = self._early_check, None
         if standby is None:
             return None
         try:
@@ -188,11 +298,17 @@ class WarmProvisioner(LocalProvisioner):
         except Exception as exc:  # noqa: BLE001 - Note [Never worse than plain]: fork anew
             timeline("provisioner.standby_dropped", launch.env, reason=str(exc))
             return None
+        why: str | None = None
         if standby.launch != launch:
             why = "the launch differs from the one it was forked for"
-        elif not kernel.go():
+        elif standby.ahead:  # Note [A standby kept ready]: as it was when it was forked?
+            why = await (asyncio.wrap_future(early) if early is not None
+                         else asyncio.to_thread(check_early, launch.cmd, launch.env))
+            if why is None and _kernel_config_signature(launch) != standby.config:
+                why = "a config folder or file, or the working directory, changed since its fork"
+        if why is None and not kernel.go():
             why = "it exited before the launch"
-        else:
+        if why is None:
             timeline("provisioner.standby_go", launch.env, kernel=kernel.pid)
             return kernel
         timeline("provisioner.standby_dropped", launch.env, kernel=kernel.pid, reason=why)
@@ -205,15 +321,18 @@ class WarmProvisioner(LocalProvisioner):
         if restart:
             self._drop_unread_shutdown_request()
         launched = self._launched
+        self._cancel_ahead()
         if restart and self.warm is not None and launched is not None:
             # Note [Checked while the old kernel exits]: the zygote checks its files while
             # the old kernel shuts down; the launch says since when that check counts.
             self._restart_since = time.monotonic()
-            if is_ipykernel(launched.cmd):
-                self._fork_standby(launched)
-            else:
-                self._early_check = asyncio.ensure_future(
-                    asyncio.to_thread(check_early, launched.cmd, launched.env))
+            with self._standby_lock:  # a standby kept ready, or one forked now
+                standby = self._standby
+                ready = standby is not None and standby.waiting()
+                if is_ipykernel(launched.cmd) and not ready:
+                    self._start_standby(launched)
+            if not is_ipykernel(launched.cmd) or ready:  # a check the launch reads, or not
+                self._early_check = _in_thread(check_early, launched.cmd, launched.env)
         await super().shutdown_requested(restart)
 
     def _drop_unread_shutdown_request(self) -> None:
@@ -228,11 +347,14 @@ class WarmProvisioner(LocalProvisioner):
         if control is not None:
             control.linger = 0
 
-    def _fork_standby(self, launch: _Launch) -> None:
+    def _start_standby(self, launch: _Launch, ahead: bool = False) -> None:
         """Note [A standby for the restart]: fork the next kernel now, for a launch equal to
         the last one; the zygote checks its files meanwhile (Note [Checked while the old kernel
-        exits])."""
-        self._drop_standby()
+        exits]). ``ahead``: Note [A standby kept ready]. With ``_standby_lock`` held."""
+        old, self._standby = self._standby, None
+        if old is not None:
+            old.drop()
+        config = _kernel_config_signature(launch) if ahead else ()
         try:
             # now, in the event loop's thread (as a launch does)
             launch = launch._replace(attributes=_observe())
@@ -246,19 +368,21 @@ class WarmProvisioner(LocalProvisioner):
             try:
                 kernel.set_result(request_fork(launch.cmd, launch.env, launch.cwd, stdio,
                                                launch.watch_parent, launch.attributes,
-                                               standby=True))
+                                               standby=True,
+                                               standby_wait=_KEPT_READY_S if ahead else None))
             except BaseException as exc:  # noqa: BLE001 - the launch reads it and forks anew
                 kernel.set_exception(exc)
             finally:
                 for fd in stdio:
                     os.close(fd)
 
-        timeline("provisioner.standby", launch.env)
-        self._standby = _Standby(kernel, launch)
+        timeline("provisioner.standby", launch.env, ahead=ahead)
+        self._standby = _Standby(kernel, launch, ahead, config)
         threading.Thread(target=fork, name="overmind-lab-standby", daemon=True).start()
 
     def _drop_standby(self) -> None:
-        standby, self._standby = self._standby, None
+        with self._standby_lock:
+            standby, self._standby = self._standby, None
         if standby is not None:
             standby.drop()
 
@@ -335,5 +459,6 @@ class WarmProvisioner(LocalProvisioner):
         if self.warm is not None and self.warm.exited():
             self._drop_warm()
         if not restart:  # no launch follows
+            self._cancel_ahead()
             self._drop_standby()
         await super().cleanup(restart)

@@ -388,6 +388,15 @@ def _await_ready(fd: int) -> str | None:
     return data.decode(errors="replace") or "the forked kernel exited before it started"
 
 
+def _standby_wait(request: ForkRequest) -> float:
+    """A standby's longest wait for ``go``: the request's (Note [A standby kept ready]),
+    within bounds, or ``become.STANDBY_SECONDS``."""
+    wait = request.get("standby_wait")
+    if isinstance(wait, (int, float)) and not isinstance(wait, bool) and wait == wait:
+        return min(max(float(wait), 1.0), become.MAX_STANDBY_SECONDS)
+    return become.STANDBY_SECONDS
+
+
 def _refused(chan: Channel, reason: str) -> None:
     refusal: ZygoteRefusal = {"ok": False, "reason": reason}
     chan.send(refusal)
@@ -429,7 +438,8 @@ def _handle_fork(state: _State, conn: socket.socket, chan: Channel,
         cwd=str(request.get("cwd") or os.getcwd()), stdio=fds, parent_pidfd=parent_pidfd,
         thread_targets=_targets_for(state, task_inherit), learned_path=state.paths.learned,
         preloaded=frozenset(state.preloaded),
-        inherit=task_inherit, ready_fd=ready_w, start_env=state.start_env, go_fd=go_r)
+        inherit=task_inherit, ready_fd=ready_w, start_env=state.start_env, go_fd=go_r,
+        go_wait=_standby_wait(request))
     # Note [Interrupted at birth] in ``_forked/become.py``: the child unblocks SIGINT.
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
     t0 = time.perf_counter()
