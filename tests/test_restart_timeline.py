@@ -428,6 +428,29 @@ def test_a_standby_kept_ready_is_dropped_when_a_config_file_changed(
 
 @pytest.mark.slow
 @pytest.mark.standby_ahead(0.0)
+def test_a_server_keeps_one_standby_ready_the_last_launched_kernels(
+        timed_zygote: Path, tmp_path: Path) -> None:
+    t0 = time.time()
+    first = Kernel(cwd=str(tmp_path))
+    second = None
+    try:
+        standby = _kept_ready(timed_zygote, t0, first.pid)
+        t1 = time.time()
+        second = Kernel(cwd=str(tmp_path))
+        assert _kept_ready(timed_zygote, t1, second.pid) != standby
+        _wait_for(lambda: not _alive(standby), 30, "the first kernel's standby to exit")
+        old = first.pid
+        first.restart()  # as without a standby kept ready: one forked at the restart
+        assert first.warm and first.pid not in (old, standby), first.log_text()
+        assert first.run("print(6 * 7)").strip() == "42"
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
+
+
+@pytest.mark.slow
+@pytest.mark.standby_ahead(0.0)
 def test_a_standby_kept_ready_exits_with_its_kernel(timed_zygote: Path,
                                                     tmp_path: Path) -> None:
     t0 = time.time()

@@ -23,7 +23,8 @@ More in docs/notes.md.
 Note [A standby kept ready]: a standby forked at the restart request is ready ~110 ms later,
 while the old kernel is gone in ~55 ms: the launch waited for it. So a second after a warm
 launch (``standby_ahead_s``) the next kernel is forked already, and waits for that kernel's
-restart (up to a day). What it read before its sockets may have changed meanwhile: at the
+restart (up to a day); one per server (the last launched kernel's: each costs ~25 MiB of its
+own, ~65 MiB PSS). What it read before its sockets may have changed meanwhile: at the
 restart the zygote checks its files (while the old kernel shuts down), and the config folders a
 kernel reads as it starts (Jupyter's, IPython's profile) and its working directory must be as
 they were at its fork (``_kernel_config_signature``); else it exits unstarted and the launch forks
@@ -38,6 +39,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, NamedTuple, TypeVar
@@ -65,6 +67,10 @@ _SHUTDOWN_POLL_S = 1.0
 #: Note [A standby kept ready]: how long a standby forked ahead waits for its restart.
 _KEPT_READY_S = 24 * 3600.0
 _CONFIG_SUFFIXES = (".py", ".json")
+#: Note [A standby kept ready]: the one provisioner of this server whose kernel has one (the
+#: last launched), weakly.
+_kept: weakref.ref[WarmProvisioner] | None = None
+_kept_lock = threading.Lock()
 
 
 def _stdio_fds(kwargs: dict[str, Any]) -> list[int]:
@@ -275,11 +281,29 @@ class WarmProvisioner(LocalProvisioner):
     def _fork_ahead(self, launch: _Launch, warm: WarmKernel) -> None:
         """Note [A standby kept ready]: fork the next kernel for ``warm``'s restart (in the
         timer's thread, which the event loop's thread started: its nice value and affinity)."""
+        global _kept
+        with _kept_lock:  # one per server: the last launched kernel's
+            other = _kept() if _kept is not None else None
+            _kept = weakref.ref(self)
+        if other is not None and other is not self:
+            other._drop_kept()
         with self._standby_lock:
             if (self._shutting_down or self._standby is not None or self.warm is not warm
                     or self._launched is not launch or warm.exited()):
                 return
             self._start_standby(launch, ahead=True)
+
+    def _drop_kept(self) -> None:
+        """Another kernel's standby is kept ready now: this one's exits (Note [A standby kept
+        ready]); a standby forked for a restart in progress stays."""
+        with self._standby_lock:
+            standby = self._standby
+            if standby is None or not standby.ahead or self._shutting_down:
+                return
+            self._standby = None
+        standby.drop()
+        timeline("provisioner.standby_dropped", standby.launch.env,
+                 reason="another kernel's standby is kept ready")
 
     def _cancel_ahead(self) -> None:
         timer, self._ahead_timer = self._ahead_timer, None
