@@ -504,6 +504,39 @@ def test_restarts_with_the_standby_kept_ready_killed_at_each_point_end_with_a_wo
     _wait_for(lambda: not [p for p in standbys if _alive(p)], 30, "every standby to exit")
 
 
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rpartition(")")[2].split()[1])
+
+
+@pytest.mark.slow
+@pytest.mark.standby_ahead(0.0)
+def test_a_standby_kept_ready_by_a_replaced_zygote_is_not_used(timed_zygote: Path,
+                                                               tmp_path: Path) -> None:
+    """Note [A standby kept ready]: the restart's check asks the zygote on the socket, the
+    replacement once one was started (``overmind-lab kernel restart-zygote``, or a stale zygote
+    seen by another launch): its answer does not cover the standby of the one it replaced."""
+    from overmind_lab._jupyter_server.kernelspec import restart_zygotes
+
+    t0 = time.time()
+    k = Kernel(cwd=str(tmp_path))
+    try:
+        assert k.warm, k.log_text()
+        standby = _kept_ready(timed_zygote, t0, k.pid)
+        replaced = _parent(standby)
+        assert restart_zygotes(timed_zygote.parent) == [replaced]
+        fresh = ready_zygote(timed_zygote.parent, not_pid=replaced)["pid"]
+        t1 = time.time()
+        k.restart()
+        assert k.warm and k.pid != standby and _parent(k.pid) == fresh, k.log_text()
+        [dropped] = [e for e in _events_since(timed_zygote, t1)
+                     if e["event"] == "provisioner.standby_dropped"]
+        assert dropped["kernel"] == standby and "replaced" in dropped["reason"], dropped
+        assert k.run("print(6 * 7)").strip() == "42"
+    finally:
+        k.close()
+
+
 @pytest.mark.slow
 @pytest.mark.standby_ahead(0.0)
 def test_a_file_changed_before_the_restart_request_makes_the_restart_plain(

@@ -185,17 +185,18 @@ def ask(sock_path: Path, request: ZygoteOpRequest, timeout: float = 5.0) -> Zygo
         sock.close()
 
 
-def check_early(cmd: list[str], env: dict[str, str]) -> str | None:
+def check_early(cmd: list[str], env: dict[str, str]) -> tuple[str | None, int | None]:
     """Note [Checked while the old kernel exits]: have the zygote for ``cmd`` check its
     preloaded files now (blocking): why it is stale or cannot be asked, or ``None`` (a fork
-    that follows checks again if this failed)."""
+    that follows checks again if this failed); and the pid of the zygote that checked."""
     try:
         reply = ask(ZygotePaths.for_launch(cmd[0], env).socket, {"op": "check"})
     except (OvermindError, OSError, ValueError) as exc:
-        return f"the zygote could not check its files: {exc}"
+        return f"the zygote could not check its files: {exc}", None
     if reply.get("ok"):
-        return None
-    return str(cast(ZygoteRefusal, reply).get("reason") or "the zygote is stale")
+        pid = reply.get("pid")
+        return None, pid if isinstance(pid, int) else None
+    return str(cast(ZygoteRefusal, reply).get("reason") or "the zygote is stale"), None
 
 
 def request_fork(cmd: list[str], env: dict[str, str], cwd: str,

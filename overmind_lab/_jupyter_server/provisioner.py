@@ -25,7 +25,8 @@ while the old kernel is gone in ~55 ms: the launch waited for it. So a second af
 launch (``standby_ahead_s``) the next kernel is forked already, and waits for that kernel's
 restart (up to a day); one per server (the last launched kernel's: each costs ~25 MiB of its
 own, ~65 MiB PSS). What it read before its sockets may have changed meanwhile: at the
-restart the zygote checks its files (while the old kernel shuts down), and the config folders a
+restart its zygote checks its files (while the old kernel shuts down: the zygote that answers
+must be the standby's parent, not a replacement), and the config folders a
 kernel reads as it starts (Jupyter's, IPython's profile) and its working directory must be as
 they were at its fork (``_kernel_config_signature``); else it exits unstarted and the launch forks
 anew. More in docs/notes.md.
@@ -129,6 +130,14 @@ def _in_thread(fn: Callable[..., T], *args: Any) -> Future[T]:
     return result
 
 
+def _parent_pid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rpartition(")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _identity(path: str, contents: bool = True) -> tuple[str, int, int, int] | None:
     """A file's or folder's identity; with ``contents`` its size and mtime too."""
     try:
@@ -205,7 +214,7 @@ class WarmProvisioner(LocalProvisioner):
     #: (``time.monotonic()``).
     _launched: _Launch | None = None
     _restart_since: float | None = None
-    _early_check: Future[str | None] | None = None
+    _early_check: Future[tuple[str | None, int | None]] | None = None
     #: Note [A standby for the restart]: the next kernel, forked while the old one exits, or
     #: ahead (Note [A standby kept ready]: ``standby_ahead_s`` after a warm launch; ``None``:
     #: never ahead).
@@ -326,8 +335,10 @@ class WarmProvisioner(LocalProvisioner):
         if standby.launch != launch:
             why = "the launch differs from the one it was forked for"
         elif standby.ahead:  # Note [A standby kept ready]: as it was when it was forked?
-            why = await (asyncio.wrap_future(early) if early is not None
-                         else asyncio.to_thread(check_early, launch.cmd, launch.env))
+            why, checker = await (asyncio.wrap_future(early) if early is not None
+                                  else asyncio.to_thread(check_early, launch.cmd, launch.env))
+            if why is None and checker != _parent_pid(kernel.pid):
+                why = "the zygote that forked it was replaced since (its files were not checked)"
             if why is None and _kernel_config_signature(launch) != standby.config:
                 why = "a config folder or file, or the working directory, changed since its fork"
         if why is None and not kernel.go():

@@ -626,8 +626,8 @@ def _serve_conn(state: _State, conn: socket.socket) -> None:
         why = _retiring(state) or _check_stale(state)
         if why:
             _refused(chan, why)
-        else:
-            chan.send({"ok": True})
+        else:  # which zygote checked (Note [A standby kept ready])
+            chan.send({"ok": True, "pid": os.getpid()})
     else:
         _refused(chan, f"unknown op {op!r} (the zygote's are {', '.join(ZYGOTE_OPS)})")
 
