@@ -24,12 +24,12 @@ Note [A standby kept ready]: a standby forked at the restart request is ready ~1
 while the old kernel is gone in ~55 ms: the launch waited for it. So a second after a warm
 launch (``standby_ahead_s``) the next kernel is forked already, and waits for that kernel's
 restart (up to a day); one per server (the last launched kernel's: each costs ~25 MiB of its
-own, ~65 MiB PSS). What it read before its sockets may have changed meanwhile: at the
-restart its zygote checks its files (while the old kernel shuts down: the zygote that answers
-must be the standby's parent, not a replacement), and the config folders a
-kernel reads as it starts (Jupyter's, IPython's profile) and its working directory must be as
-they were at its fork (``_kernel_config_signature``); else it exits unstarted and the launch forks
-anew. More in docs/notes.md.
+own, ~65 MiB PSS). What it read before its sockets may have changed meanwhile: at the restart
+its zygote checks its files while the old kernel shuts down (the zygote that answers must be the
+standby's parent, not a replacement), and the config folders a kernel reads as it starts
+(Jupyter's, IPython's profile) and its working directory must be as they were at its fork
+(``_kernel_config_signature``); else it exits unstarted and the launch forks anew. More in
+docs/notes.md.
 """
 
 from __future__ import annotations
