@@ -9,8 +9,9 @@ hit: Note [Source files are held, not linked]) and records where each storage li
 
 Note [Referenced source files]: the file is shared with its owner, who may rewrite it
 (``save_pretrained`` makes a new inode, harmless; an in-place rewrite is not). The daemon never maps
-or reads it, so nothing done to it harms the daemon or other entries; before every warm load it
-compares (device, inode, size, mtime_ns) with the store's, and a mismatch makes the load cold. A
+it (it reads it only to copy it, with ``pread``: Note [A copy to serve]), so nothing done to it
+harms the daemon or other entries; before every warm load it compares (device, inode, size,
+mtime_ns, ctime_ns) with the store's, and a mismatch makes the load cold. A
 kernel already mapping the file sees what a plain load's kernel sees (changed bytes, or ``SIGBUS``
 past a truncation): the hazard of plain ``safetensors`` loading, no worse.
 """
