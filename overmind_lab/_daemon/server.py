@@ -470,21 +470,9 @@ class Daemon:
         """Note [A copy to serve] (``store``): made in a thread from a duplicate of the held
         descriptor, served once the source is still what the entry holds."""
         path = (seg.source or {}).get("path")
-        copies = sum(s.size for s in self.index.segments.values() if s.copy_fd >= 0)
-        if self.index.cached_bytes + copies + seg.size > self.index.budget:
-            del self.copying[seg.id]  # copies fit in the budget beside what is cached
-            log.info("serving %s as it is: no copy (it does not fit in the budget)", path)
-            return
         try:
-            src = os.dup(seg.fd)
-        except OSError as exc:
-            del self.copying[seg.id]
-            log.info("serving %s as it is: no copy (%s)", path, exc)
-            return
-        try:
-            fd, why = await asyncio.to_thread(self.store.copy_source, seg, src, self._stopping)
+            fd, why = await self._make_copy(seg)
         finally:
-            os.close(src)
             del self.copying[seg.id]
         if fd < 0:
             log.info("serving %s as it is: no copy (%s)", path, why)
@@ -494,6 +482,20 @@ class Daemon:
             self.store.drop_copy(seg)  # evicted or changed meanwhile
             return
         log.info("serving %s from a copy in large folios (%d bytes)", path, seg.size)
+
+    async def _make_copy(self, seg: Segment) -> tuple[int, str]:
+        """``Store.copy_source``'s answer, or why no copy is tried."""
+        copies = sum(s.size for s in self.index.segments.values() if s.copy_fd >= 0)
+        if self.index.cached_bytes + copies + seg.size > self.index.budget:
+            return -1, "it does not fit in the budget"  # copies fit beside what is cached
+        try:
+            src = os.dup(seg.fd)
+        except OSError as exc:
+            return -1, str(exc)
+        try:
+            return await asyncio.to_thread(self.store.copy_source, seg, src, self._stopping)
+        finally:
+            os.close(src)
 
     async def _finish(self, seg: Segment) -> None:
         try:
