@@ -116,7 +116,8 @@ class _Launch(NamedTuple):
     connection: dict[str, Any]  # the connection info
 
 
-def _in_thread(fn: Callable[..., T], *args: Any) -> Future[T]:
+def _in_thread(fn: Callable[..., T], *args: Any,
+               name: str = "overmind-lab-provisioner") -> Future[T]:
     """``fn(*args)`` in a new thread: a future any event loop can await (``wrap_future``)."""
     result: Future[T] = Future()
 
@@ -126,7 +127,7 @@ def _in_thread(fn: Callable[..., T], *args: Any) -> Future[T]:
         except BaseException as exc:  # noqa: BLE001 - the awaiting side reads it
             result.set_exception(exc)
 
-    threading.Thread(target=run, name="overmind-lab-provisioner", daemon=True).start()
+    threading.Thread(target=run, name=name, daemon=True).start()
     return result
 
 
@@ -391,29 +392,24 @@ class WarmProvisioner(LocalProvisioner):
             old.drop()
         config = _kernel_config_signature(launch) if ahead else ()
         try:
-            # now, in the event loop's thread (as a launch does)
+            # now, in this thread: the event loop's (as a launch), or the timer's it started
             launch = launch._replace(attributes=_observe())
             stdio = _stdio_fds(launch.stdio)
         except WarmUnavailable:
             return
 
-        kernel: Future[WarmKernel] = Future()
-
-        def fork() -> None:
+        def fork() -> WarmKernel:  # a failure is the future's: the launch forks anew
             try:
-                kernel.set_result(request_fork(launch.cmd, launch.env, launch.cwd, stdio,
-                                               launch.watch_parent, launch.attributes,
-                                               standby=True,
-                                               standby_wait=_KEPT_READY_S if ahead else None))
-            except BaseException as exc:  # noqa: BLE001 - the launch reads it and forks anew
-                kernel.set_exception(exc)
+                return request_fork(launch.cmd, launch.env, launch.cwd, stdio,
+                                    launch.watch_parent, launch.attributes, standby=True,
+                                    standby_wait=_KEPT_READY_S if ahead else None)
             finally:
                 for fd in stdio:
                     os.close(fd)
 
         timeline("provisioner.standby", launch.env, ahead=ahead)
-        self._standby = _Standby(kernel, launch, ahead, config)
-        threading.Thread(target=fork, name="overmind-lab-standby", daemon=True).start()
+        self._standby = _Standby(_in_thread(fork, name="overmind-lab-standby"), launch, ahead,
+                                 config)
 
     def _drop_standby(self) -> None:
         with self._standby_lock:
