@@ -166,11 +166,7 @@ def map_segment(segment_id: str, size: int, fd: int) -> tuple[Mapping, mmap.mmap
     except BaseException:
         os.close(fd)
         raise
-    # The address without the native module: importing it is 0.6 ms of a fresh process's first
-    # hit (Note [A first call's imports] in ``load.py``); it is imported where it is used.
-    probe = ctypes.c_char.from_buffer(mm)
-    address = ctypes.addressof(probe)
-    del probe  # releases the buffer export: the mmap can close once its tensors are gone
+    address = mapping_address(mm)
     mapping = Mapping(segment_id, size, weakref.ref(mm), address, fd)
     with _lock:
         i = bisect.bisect_left(_starts, address)
@@ -180,6 +176,15 @@ def map_segment(segment_id: str, size: int, fd: int) -> tuple[Mapping, mmap.mmap
     if os.environ.get(PREFAULT_ENV, "0") == "1":
         prefault(mapping)
     return mapping, mm
+
+
+def mapping_address(mm: mmap.mmap) -> int:
+    """Where a writable mapping starts. Through ``ctypes``, not the native module: importing it
+    is 0.6 ms of a fresh process's first hit (Note [A first call's imports] in ``load.py``)."""
+    probe = ctypes.c_char.from_buffer(mm)
+    address = ctypes.addressof(probe)
+    del probe  # releases the buffer export: the mmap can close once its users are gone
+    return address
 
 
 def _forget(address: int, fd: int) -> None:

@@ -27,6 +27,8 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from overmind_lab._loading.segments import mapping_address
+
 if TYPE_CHECKING:
     from overmind_lab._common.messages import SourceRecord
 
@@ -200,9 +202,7 @@ def in_small_folios(path: str) -> bool:
     finally:
         os.close(fd)
     try:
-        anchor = ctypes.c_char.from_buffer(mm)
-        base = ctypes.addressof(anchor)
-        del anchor
+        base = mapping_address(mm)
         first = -base % _PMD
         windows = range(first, size - _PMD + 1, _PMD)
         if not windows:
