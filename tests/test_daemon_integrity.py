@@ -48,11 +48,11 @@ print(json.dumps({{"outcome": events[-1].outcome, **({{"reason": events[-1].reas
 """
 
 
-def load_file_child(path: Path, *, by_path: bool) -> dict[str, object]:
+def load_file_child(path: Path, *, by_path: bool, code: str = LOAD_FILE) -> dict[str, object]:
     env = {**os.environ, "OVERMIND_LAB_TEST_FILE": str(path),
            "OVERMIND_LAB_BACKGROUND_STORE": "never"}
-    code = LOAD_FILE.format(here=HERE, path=str(path), by_path=by_path)
-    return dict(last_json(run_py(code, env=env)))
+    return dict(last_json(run_py(code.format(here=HERE, path=str(path), by_path=by_path),
+                                 env=env)))
 
 
 def save_weights(path: Path, value: float) -> Path:
@@ -283,10 +283,7 @@ print(json.dumps({{"copy": ".copy" in maps, "source": {path!r} in maps}}))
 
 def served_from(path: Path, *, by_path: bool) -> dict[str, object]:
     """Which file a warm load of ``path`` maps: the daemon's copy, or the source."""
-    env = {**os.environ, "OVERMIND_LAB_TEST_FILE": str(path),
-           "OVERMIND_LAB_BACKGROUND_STORE": "never"}
-    code = MAPS_CHILD.format(here=HERE, path=str(path), by_path=by_path)
-    return dict(last_json(run_py(code, env=env)))
+    return load_file_child(path, by_path=by_path, code=MAPS_CHILD)
 
 
 def test_a_source_in_small_folios_is_served_from_a_copy_in_large_folios(

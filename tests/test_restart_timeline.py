@@ -24,6 +24,7 @@ from tests.conftest import kill_and_wait
 from tests.test_warm_kernel import (
     Kernel,
     _alive,
+    _ppid,
     _wait_for,
     private_zygote_dir,
     ready_zygote,
@@ -504,11 +505,6 @@ def test_restarts_with_the_standby_kept_ready_killed_at_each_point_end_with_a_wo
     _wait_for(lambda: not [p for p in standbys if _alive(p)], 30, "every standby to exit")
 
 
-def _parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rpartition(")")[2].split()[1])
-
-
 @pytest.mark.slow
 @pytest.mark.standby_ahead(0.0)
 def test_a_standby_kept_ready_by_a_replaced_zygote_is_not_used(timed_zygote: Path,
@@ -523,12 +519,12 @@ def test_a_standby_kept_ready_by_a_replaced_zygote_is_not_used(timed_zygote: Pat
     try:
         assert k.warm, k.log_text()
         standby = _kept_ready(timed_zygote, t0, k.pid)
-        replaced = _parent(standby)
+        replaced = _ppid(standby)
         assert restart_zygotes(timed_zygote.parent) == [replaced]
         fresh = ready_zygote(timed_zygote.parent, not_pid=replaced)["pid"]
         t1 = time.time()
         k.restart()
-        assert k.warm and k.pid != standby and _parent(k.pid) == fresh, k.log_text()
+        assert k.warm and k.pid != standby and _ppid(k.pid) == fresh, k.log_text()
         [dropped] = [e for e in _events_since(timed_zygote, t1)
                      if e["event"] == "provisioner.standby_dropped"]
         assert dropped["kernel"] == standby and "replaced" in dropped["reason"], dropped
