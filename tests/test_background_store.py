@@ -118,11 +118,15 @@ def test_a_killed_store_leaves_nothing_and_the_next_load_is_cold(
 
 
 def test_a_store_that_fails_in_the_background_warns_and_caches_nothing(
-        daemon: Client, always: None) -> None:
+        daemon: Client, always: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    gate = tmp_path / "gate"  # the store pickles (and fails) once it exists: still pending
+    monkeypatch.setenv(PICKLE_GATE_ENV, str(gate))
     with pytest.warns(OvermindWarning, match="not cached: .*cannot pickle 'generator'"):
         model = overmind_lab.load(unpicklable_module, 1024)
+        [store] = background.pending_stores()
+        gate.touch()
         [done] = overmind_lab.wait_for_stores(timeout=60)
-    assert done.not_cacheable
+    assert done is store and done.not_cacheable
     assert torch.equal(model.weight, torch.arange(1024, dtype=torch.float32))
     assert daemon.entries() == []
 
