@@ -396,3 +396,64 @@ async def test_polling_does_not_count_as_activity(
     # A user's action does count (it proves the check above can fail).
     await jp_fetch(API, "entries", cached_tensor, "evict", method="POST", body=b"")
     assert settings["api_last_activity"] > before
+
+
+# -- kernel transport (Note [Kernel messages without delays]) ----------------------------
+async def test_kernel_websockets_send_without_nagle_and_sockets_reconnect_fast(
+        jp_serverapp: Any, jp_fetch: Fetch, jp_ws_fetch: Any) -> None:
+    import socket
+
+    import zmq
+    from jupyter_server.services.kernels.connection.channels import (
+        ZMQChannelsWebsocketConnection,
+    )
+
+    from overmind_lab._jupyter_server.transport import RECONNECT_IVL_MAX_MS, RECONNECT_IVL_MS
+
+    response = await jp_fetch("api", "kernels", method="POST",
+                              body=json.dumps({"name": "python3"}))
+    kid = json.loads(response.body)["id"]
+    ws = None
+    try:
+        ws = await jp_ws_fetch("api", "kernels", kid, "channels",
+                               params={"session_id": "nodelay-test"})
+        handler = ZMQChannelsWebsocketConnection._open_sessions[f"{kid}:nodelay-test"]
+        tcp = handler.ws_connection.stream.socket
+        assert tcp.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+        # the server's sockets for the kernel (made after the extension loaded)
+        km = jp_serverapp.kernel_manager.get_kernel(kid)
+        for stream in handler.connection.channels.values():
+            assert stream.socket.getsockopt(zmq.RECONNECT_IVL) == RECONNECT_IVL_MS
+            assert stream.socket.getsockopt(zmq.RECONNECT_IVL_MAX) == RECONNECT_IVL_MAX_MS
+        fresh = km.connect_shell()
+        try:
+            assert fresh.socket.getsockopt(zmq.RECONNECT_IVL) == RECONNECT_IVL_MS
+        finally:
+            fresh.close()
+    finally:
+        if ws is not None:
+            ws.close()
+        await jp_fetch("api", "kernels", kid, method="DELETE")
+
+
+def test_another_kind_of_websocket_connection_is_left_alone() -> None:
+    from jupyter_server.services.kernels.connection.channels import (
+        ZMQChannelsWebsocketConnection,
+    )
+
+    from overmind_lab._jupyter_server.transport import _no_delay_websockets
+
+    class Theirs:  # a configured class of another kind (a gateway's, say)
+        pass
+
+    settings: dict[str, Any] = {"kernel_websocket_connection_class": Theirs}
+    assert not _no_delay_websockets(settings)
+    assert settings["kernel_websocket_connection_class"] is Theirs
+
+    settings = {"kernel_websocket_connection_class": ZMQChannelsWebsocketConnection}
+    assert _no_delay_websockets(settings)
+    wrapped = settings["kernel_websocket_connection_class"]
+    assert issubclass(wrapped, ZMQChannelsWebsocketConnection)
+    assert wrapped is not ZMQChannelsWebsocketConnection
+    assert _no_delay_websockets(settings)  # once: loading twice wraps nothing more
+    assert settings["kernel_websocket_connection_class"] is wrapped
