@@ -78,10 +78,26 @@ def spy(cls, *args, **kwargs):
     defined.append(f"{{cls.__module__}}.{{cls.__qualname__}}")
     return real(cls, *args, **kwargs)
 dataclasses._process_class = spy
+import builtins
+compiled = []  # source compiled at run time while one of our modules' body runs
+def watch(name):
+    real = getattr(builtins, name)
+    def spy(source, *args, **kwargs):
+        frame = sys._getframe(1)
+        while isinstance(source, str) and frame is not None:
+            module = frame.f_globals.get("__name__", "")
+            if frame.f_code.co_name == "<module>" and module.startswith("overmind_lab"):
+                compiled.append(f"{{module}}:{{frame.f_lineno}}")
+                break
+            frame = frame.f_back
+        return real(source, *args, **kwargs)
+    setattr(builtins, name, spy)
+for name in ("compile", "exec", "eval"):
+    watch(name)
 before = set(sys.modules)
 with overmind_lab.record_loads() as events:
     overmind_lab.load(UNet2DConditionModel.from_pretrained, {path!r})
-print(json.dumps({{"outcome": events[-1].outcome, "defined": defined,
+print(json.dumps({{"outcome": events[-1].outcome, "defined": defined, "compiled": compiled,
                   "imported": sorted(set(sys.modules) - before)}}))
 """
 
@@ -89,7 +105,8 @@ print(json.dumps({{"outcome": events[-1].outcome, "defined": defined,
 @pytest.mark.slow
 def test_a_first_warm_hit_imports_only_the_hit_path(daemon: Client, tiny_unet_dir: Path) -> None:
     """Note [A first call's imports]: the store-only modules stay out, and no module on the way
-    defines a dataclass (~0.4 ms each, paid by every fresh process's first load)."""
+    defines a dataclass (~0.4 ms each, paid by every fresh process's first load) or anything else
+    that compiles source as the module runs (a ``TypedDict``'s annotations, a namedtuple)."""
     run_py(LOAD_UNET.format(path=str(tiny_unet_dir)))  # cold: stores
     first = last_json(run_py(FIRST_HIT.format(path=str(tiny_unet_dir))))
     assert first["outcome"] == "warm"
@@ -98,6 +115,7 @@ def test_a_first_warm_hit_imports_only_the_hit_path(daemon: Client, tiny_unet_di
     for store_only in ("_loading.sources", "_loading.background", "_native"):
         assert f"overmind_lab.{store_only}" not in ours
     assert [d for d in first["defined"] if d.startswith("overmind_lab")] == []
+    assert first["compiled"] == []
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, NotRequired, TypedDict, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from overmind_lab._errors import (
     ErrorKind,
@@ -39,6 +39,8 @@ from overmind_lab._loading.pickling import (
 from overmind_lab._loading.segments import map_segment, write_segment
 
 if TYPE_CHECKING:
+    from typing import NotRequired, TypedDict
+
     from overmind_lab._common.messages import WireEntry
     from overmind_lab._loading import background
 
@@ -51,25 +53,31 @@ T = TypeVar("T")
 key_of = _keys.key_of
 
 
-class Meta(TypedDict):
-    """An entry's ``meta``: how to rebuild the result; the daemon never looks into it."""
+if TYPE_CHECKING:
+    class Meta(TypedDict):
+        """An entry's ``meta``: how to rebuild the result; the daemon never looks into it."""
 
-    stream: list[int]  # segment index, offset and length of the pickle stream
-    pickler: str  # "pickle" or "dill"
-    buffers: list[tuple[int, int, int]]  # out-of-band buffers (lists once through JSON)
-    observed: dict[str, Any]  # warnings and log records to replay (observe.Observed)
-    #: the user's code in the result: "module:qualname" -> digest (``user_code.graph_code``)
-    code: NotRequired[dict[str, str]]
-    #: torch's hook counter before and after the load, if hooks (Note [Hook ids] in pickling)
-    hooks: NotRequired[list[int]]
+        stream: list[int]  # segment index, offset and length of the pickle stream
+        pickler: str  # "pickle" or "dill"
+        buffers: list[tuple[int, int, int]]  # out-of-band buffers (lists once through JSON)
+        observed: dict[str, Any]  # warnings and log records to replay (observe.Observed)
+        #: the user's code in the result: "module:qualname" -> digest (``user_code.graph_code``)
+        code: NotRequired[dict[str, str]]
+        #: torch's hook counter before and after the load, if hooks (Note [Hook ids] in pickling)
+        hooks: NotRequired[list[int]]
+else:
+    # A ``TypedDict`` costs ~0.5 ms to define (``typing`` compiles every field's annotation into a
+    # ``ForwardRef``), on a fresh process's first hit: Note [A first call's imports].
+    Meta = dict
 
 
 # Note [A first call's imports]: a fresh process's first ``load`` imports this module and what it
 # imports (``import overmind_lab`` imports none of it), so their definitions are part of that call's
 # cost: 6.5 ms of a 18.5 ms first warm UNet hit, against 8 ms for the same call repeated. The hit
 # path therefore defines no ``@dataclass`` (~0.4 ms each: the decorator compiles its methods with
-# ``exec``); its record classes are written out. What only a store needs (``sources``,
-# ``background``) is imported where a store starts.
+# ``exec``) and no ``TypedDict`` (its fields' annotations are compiled); its record classes are
+# written out. What only a store needs (``sources``, ``background``) is imported where a store
+# starts.
 # ``test_a_first_warm_hit_imports_only_the_hit_path`` keeps both true.
 class LoadEvent:
     """What one ``load()`` did. ``outcome`` is warm, cold, bypass, uncached or fallback."""
