@@ -41,6 +41,14 @@ def test_status_when_not_running_is_a_normal_answer(sock_path: Path) -> None:
     assert proc.returncode == 3 and json.loads(proc.stdout)["running"] is False
 
 
+def test_a_spawned_daemon_imports_this_overmind_lab_whatever_the_cwd() -> None:
+    from overmind_lab._loading.client import _daemon_env
+
+    first = _daemon_env()["PYTHONPATH"].split(os.pathsep)[0]
+    assert (Path(first) / "overmind_lab" / "__init__.py").resolve() == \
+        Path(overmind_lab.__file__).resolve()
+
+
 def test_racing_clients_start_exactly_one_daemon(sock_path: Path) -> None:
     code = "import json, overmind_lab; print(json.dumps(overmind_lab.Client().start()['pid']))"
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,

@@ -320,7 +320,7 @@ def _flock(fd: int, timeout: float) -> None:
 def _daemon_env() -> dict[str, str]:
     """The daemon runs the same overmind_lab as this process, whatever the cwd."""
     env = dict(os.environ)
-    here = str(Path(__file__).resolve().parent.parent)
+    here = str(Path(__file__).resolve().parents[2])  # the folder that holds overmind_lab/
     env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
     return env
 
