@@ -108,6 +108,20 @@ def run_cell(kc: Any, code: str, timeout: float) -> str:
     return "".join(out)
 
 
+def start_busy_cell(kc: Any, code: str, timeout: float) -> str:
+    """Send ``print('looping', flush=True)`` then ``code``; return its msg_id once that output
+    arrived: the cell's own code runs, so an interrupt lands in it (at its execute_input one can
+    come before the cell's code, and ipykernel then sometimes never replies to the cell, plain
+    kernels too). ``stop_on_error=False``: ipykernel would abort the requests that follow a
+    KeyboardInterrupt for a while."""
+    msg_id: str = kc.execute("print('looping', flush=True)\n" + code, stop_on_error=False)
+    while True:
+        msg = kc.get_iopub_msg(timeout=timeout)
+        if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream"
+                and "looping" in msg["content"]["text"]):
+            return msg_id
+
+
 def wait_for_exit(pid: int, timeout: float = 60, what: str = "") -> None:
     """Return once ``pid`` exited (its pidfd readable: its descriptors and sockets are closed by
     then), also when it is not our child; fail after ``timeout`` s."""

@@ -30,7 +30,7 @@ import pytest
 
 import overmind_lab
 from overmind_lab._jupyter_server import kernelspec as spec
-from tests.conftest import run_cell
+from tests.conftest import run_cell, start_busy_cell
 from tests.nobody import NOBODY, package_for_nobody, python_for_nobody
 
 pytestmark = [pytest.mark.slow,
@@ -229,15 +229,10 @@ def test_start_execute_interrupt_restart_shutdown(kernel: Kernel, zygote: dict[s
 
     # Interrupt a busy cell: the kernel gets KeyboardInterrupt, the zygote nothing. The
     # interrupt goes once the cell's first line has run (its output arrived), not after a
-    # sleep that a slow kernel could outlast. stop_on_error=False: ipykernel would abort
-    # requests that arrive right after the error for a while (any kernel, plain too).
-    msg_id = kernel.kc.execute("print('looping', flush=True)\nwhile True:\n    pass",
-                               stop_on_error=False)
-    while True:
-        msg = kernel.kc.get_iopub_msg(timeout=120)
-        if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream"
-                and "looping" in msg["content"]["text"]):
-            break
+    # sleep that a slow kernel could outlast. stop_on_error=False (``start_busy_cell``):
+    # ipykernel would abort requests that arrive right after the error for a while (any
+    # kernel, plain too).
+    msg_id = start_busy_cell(kernel.kc, "while True:\n    pass", timeout=120)
     kernel.km.interrupt_kernel()
     reply = kernel.kc.get_shell_msg(timeout=120)
     assert reply["parent_header"]["msg_id"] == msg_id

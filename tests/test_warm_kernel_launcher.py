@@ -32,7 +32,7 @@ import pytest
 
 from overmind_lab._common.zygote_paths import ZygotePaths
 from overmind_lab._jupyter_server import kernelspec as spec
-from tests.conftest import run_cell
+from tests.conftest import run_cell, start_busy_cell
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 
@@ -180,19 +180,11 @@ def test_the_kernelspec_argv_gives_a_forked_kernel(launched: Launched) -> None:
 
 def test_sigint_to_the_launcher_interrupts_a_running_cell(launched: Launched) -> None:
     kc = launched.kc
-    # stop_on_error=False: ipykernel would abort the next request for a while after the
-    # KeyboardInterrupt (its stop-on-error window), which is not what is tested here.
-    msg_id = kc.execute("import time\nprint('looping', flush=True)\n"
-                        "for _ in range(600): time.sleep(0.1)\nprint('done')",
-                        stop_on_error=False)
-    # The interrupt goes once the cell's own code runs (its first output arrived). Sent at its
-    # execute_input, ipykernel sometimes never replied to the cell (beside 3 CPU burners: 2 runs
-    # in 20 of a forked kernel, 1 in 14 of a plain ipykernel_launcher).
-    while True:
-        msg = kc.get_iopub_msg(timeout=60)
-        if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream"
-                and "looping" in msg["content"]["text"]):
-            break
+    # Interrupted once the cell's own code runs (``start_busy_cell``; stop_on_error=False). Sent
+    # at its execute_input, ipykernel sometimes never replied to the cell (beside 3 CPU burners:
+    # 2 runs in 20 of a forked kernel, 1 in 14 of a plain ipykernel_launcher).
+    msg_id = start_busy_cell(kc, "import time\nfor _ in range(600): time.sleep(0.1)\n"
+                             "print('done')", timeout=60)
     os.kill(launched.proc.pid, signal.SIGINT)
     while True:  # (a late kernel_info_reply of the readiness check may come first)
         reply = kc.get_shell_msg(timeout=60)
