@@ -557,19 +557,51 @@ def test_a_touched_preloaded_module_retires_the_stale_zygote(
         k.close()
 
 
+PLAIN_EXIT_CODE = """
+import atexit, json, os, sys
+log = open({log!r}, "w")  # never closed nor flushed by the cell: the exit must flush it
+log.write("written before the restart")
+atexit.register(lambda: open({marker!r}, "w").write("atexit ran"))
+print(json.dumps([sys.argv[0].endswith("ipykernel_launcher.py"), sys.orig_argv[1:3],
+                  open("/proc/self/cmdline").read().split("\\0")[1:3]]))
+"""
+
+
 def test_a_killed_zygote_gives_one_plain_launch_then_warm_again(
-        zygote: dict[str, Any], warm_dir: Path) -> None:
+        zygote: dict[str, Any], warm_dir: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from overmind_lab._common.zygote_client import TIMELINE_ENV
+
     current = ready_zygote(warm_dir, identity=zygote["identity"])
     os.kill(current["pid"], signal.SIGKILL)
     _wait_for(lambda: not _alive(current["pid"]), 120, "the zygote to die")
-    k = Kernel()
+    timeline = tmp_path / "timeline.jsonl"  # the provisioner's steps, in the launch's env
+    monkeypatch.setenv(TIMELINE_ENV, str(timeline))
+    k = Kernel(env={TIMELINE_ENV: str(timeline)})
     try:
         assert not k.warm
         assert "launching a plain kernel: no zygote was running" in k.log_text()
         assert k.run("print('plain ok')").strip() == "plain ok"
+        # Note [A plain kernel's exit]: ipykernel in a process of ``_launcher.plain``, which
+        # looks like ``-m ipykernel_launcher`` to the kernel's code, and whose exit runs its
+        # atexit handlers and closes what the user namespace held.
+        log, marker = tmp_path / "unflushed.txt", tmp_path / "atexit.txt"
+        assert k.json(PLAIN_EXIT_CODE.format(log=str(log), marker=str(marker))) == [
+            True, ["-m", "ipykernel_launcher"], ["-m", "overmind_lab._launcher.plain"]]
+        fresh = ready_zygote(warm_dir, not_pid=current["pid"], identity=current["identity"])
+        old = k.pid
+        # Note [A standby for a plain kernel's restart]: forked while the plain one exits.
+        k.restart()
+        assert k.warm, k.log_text()
+        assert _ppid(k.pid) == fresh["pid"]
+        _wait_for(lambda: not _alive(old), 120, "the plain kernel to exit")
+        assert log.read_text() == "written before the restart"
+        assert marker.read_text() == "atexit ran"
+        events = [json.loads(line)["event"] for line in timeline.read_text().splitlines()]
+        assert "provisioner.standby_go" in events, events
+        assert k.run("print('warm ok')").strip() == "warm ok"
     finally:
         k.close()
-    fresh = ready_zygote(warm_dir, not_pid=current["pid"], identity=current["identity"])
     k = Kernel()
     try:
         assert k.warm, k.log_text()

@@ -33,12 +33,14 @@ from overmind_lab._common.zygote_paths import (
 )
 from overmind_lab._errors import OvermindError
 
-__all__ = ["LAUNCHER_MODULE", "KERNEL_MODULE", "IPYKERNEL_MAINS", "is_ipykernel", "kernel_argv",
-           "WarmUnavailable", "WarmKernel", "ask", "request_fork", "spawn", "user_env",
-           "TIMELINE_ENV", "timeline", "read_pipe"]
+__all__ = ["LAUNCHER_MODULE", "PLAIN_MODULE", "KERNEL_MODULE", "IPYKERNEL_MAINS", "is_ipykernel",
+           "kernel_argv", "WarmUnavailable", "WarmKernel", "ask", "request_fork", "spawn",
+           "user_env", "TIMELINE_ENV", "timeline", "read_pipe"]
 
 #: The warm kernelspec's argv runs this module (``_launcher``).
 LAUNCHER_MODULE = "overmind_lab._launcher"
+#: A warm kernelspec's plain kernel (no zygote served its launch): Note [A plain kernel's exit].
+PLAIN_MODULE = "overmind_lab._launcher.plain"
 #: What a warm kernel runs: ipykernel's own ``-m`` module.
 KERNEL_MODULE = "ipykernel_launcher"
 #: The ``-m`` modules that run ipykernel.

@@ -24,7 +24,6 @@ import linecache
 import logging
 import os
 import random
-import runpy
 import select
 import signal
 import sys
@@ -38,6 +37,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from overmind_lab._common import inherit, learned
+from overmind_lab._common.exiting import exit_now, run_main
 from overmind_lab._common.zygote_client import is_ipykernel, read_pipe, timeline
 from overmind_lab._forked import ports
 
@@ -391,15 +391,7 @@ def run(task: ForkTask) -> int:
     sys.argv = [task.argv[0], *args]
     sys.orig_argv = list(task.argv)
     timeline("child.run_module", task.env)
-    try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-    except SystemExit as exc:
-        code = exc.code
-        if code is None or isinstance(code, int):
-            return code or 0
-        print(code, file=sys.stderr)
-        return 1
-    return 0
+    return run_main(module)
 
 
 def run_and_exit(task: ForkTask) -> NoReturn:
@@ -413,17 +405,3 @@ def run_and_exit(task: ForkTask) -> NoReturn:
     except BaseException:  # noqa: BLE001 - the top of this process: report, then exit
         traceback.print_exc()
     exit_now(code)
-
-
-def exit_now(code: int) -> NoReturn:
-    """Note [Fast exit]: exit as the interpreter would (threads joined, ``atexit``, stdio
-    flushed), minus tearing down the preloaded modules. More in docs/notes.md."""
-    threading._shutdown()  # type: ignore[attr-defined]
-    atexit._run_exitfuncs()
-    timeline("child.exit", code=code)
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError, AttributeError):
-            pass
-    os._exit(code)

@@ -13,12 +13,19 @@ Note [Exit on the pidfd]: once the kernel's shutdown was requested, ``poll`` wai
 ``_async_wait`` loop (``finish_shutdown``) returns the moment the kernel exits; ``wait`` also
 wakes on the pidfd. jupyter_client's own timeouts still bound both (``asyncio.wait_for`` cancels
 the wait), so a kernel that ignores its shutdown request is still sent SIGTERM, then SIGKILL.
-More in docs/notes.md.
+A plain kernel's exit is waited for on a pidfd too. More in docs/notes.md.
 
 Note [A standby for the restart]: when a restart's shutdown is requested, the next kernel is
 forked at once from the last launch's request (``standby``) and stops before binding its sockets;
 the launch tells it to go if it equals that launch, or lets it exit unstarted and forks its own.
 More in docs/notes.md.
+
+Note [A standby for a plain kernel's restart]: the first launch of a server with no zygote is
+plain (the zygote starts meanwhile), and so was its first restart: the old kernel's exit (~1 s
+of teardown: Note [A plain kernel's exit] in ``_launcher/plain``), then a fork on demand (~190
+ms to a ready kernel), 1.57 s from the restart request to an SD 1.5 cell done. A plain launch is
+recorded as a warm one is, so its restart forks a standby too while the old kernel exits, and
+the plain kernel exits as a forked one does.
 
 Note [A standby kept ready]: a standby forked at the restart request is ready ~110 ms later,
 while the old kernel is gone in ~55 ms: the launch waited for it. So a second after a warm
@@ -50,6 +57,7 @@ from jupyter_client.provisioning.local_provisioner import LocalProvisioner
 
 from overmind_lab._common import inherit
 from overmind_lab._common.zygote_client import (
+    PLAIN_MODULE,
     WarmKernel,
     WarmUnavailable,
     check_early,
@@ -129,6 +137,38 @@ def _in_thread(fn: Callable[..., T], *args: Any,
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return result
+
+
+def plain_argv(cmd: list[str]) -> list[str]:
+    """The command of a warm kernelspec's plain kernel: ipykernel run by ``_launcher.plain``
+    (Note [A plain kernel's exit]); any other command as it is."""
+    return [cmd[0], "-m", PLAIN_MODULE, *cmd[3:]] if is_ipykernel(cmd) else list(cmd)
+
+
+async def _until_process_exit(pid: int, timeout: float) -> None:
+    """Note [Exit on the pidfd], for a plain kernel (a child of this process, not reaped yet):
+    return once ``pid`` exited, or after ``timeout``."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:  # gone already, or no pidfds: jupyter_client polls as it would
+        return
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def fire() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    try:
+        loop.add_reader(pidfd, fire)
+    except (NotImplementedError, OSError, ValueError):
+        os.close(pidfd)
+        return
+    try:
+        await asyncio.wait([fut], timeout=timeout)
+    finally:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
 
 
 def _parent_pid(pid: int) -> int | None:
@@ -271,7 +311,10 @@ class WarmProvisioner(LocalProvisioner):
             if standby is not None:
                 standby.drop()
             self.log.warning("overmind-lab: launching a plain kernel: %s", exc)
-            info = await super().launch_kernel(cmd, **kwargs)
+            # Note [A plain kernel's exit] (``_launcher/plain``); Note [A standby for a plain
+            # kernel's restart]: a restart of it forks the standby it can.
+            info = await super().launch_kernel(plain_argv(cmd), **kwargs)
+            self._launched = launch
             timeline("provisioner.launch.end", env, warm=False)
             return info
         self.warm = warm
@@ -358,7 +401,7 @@ class WarmProvisioner(LocalProvisioner):
             self._drop_unread_shutdown_request()
         launched = self._launched
         self._cancel_ahead()
-        if restart and self.warm is not None and launched is not None:
+        if restart and launched is not None and self.has_process:
             # Note [Checked while the old kernel exits]: the zygote checks its files while
             # the old kernel shuts down; the launch says since when that check counts.
             self._restart_since = time.monotonic()
@@ -451,6 +494,8 @@ class WarmProvisioner(LocalProvisioner):
 
     async def poll(self) -> int | None:
         if self.warm is None:
+            if self._shutting_down and self.process is not None:
+                await _until_process_exit(self.process.pid, _SHUTDOWN_POLL_S)
             return await super().poll()
         if self._shutting_down:
             await self._until_exit(self.warm, _SHUTDOWN_POLL_S)
