@@ -310,6 +310,12 @@ def test_a_source_in_small_folios_is_served_from_a_copy_in_large_folios(
     [copy] = cache_dir().glob("*.copy")
     assert copy.stat().st_size == saved.stat().st_size and copy.read_bytes() == saved.read_bytes()
     assert not in_small_folios(str(copy))
+    # Note [Background work yields]: the copy was made by a thread at nice 19 (the pool's
+    # threads stay), the daemon's main thread stays at its own.
+    pid = int(daemon.status()["pid"])
+    nice = {int(t): int(Path(f"/proc/{pid}/task/{t}/stat").read_text().rpartition(")")[2]
+                        .split()[16]) for t in os.listdir(f"/proc/{pid}/task")}
+    assert nice[pid] == os.getpriority(os.PRIO_PROCESS, 0) and 19 in nice.values(), nice
     assert served_from(saved, by_path=False) == {"copy": True, "source": False}
     assert served_from(written, by_path=True) == {"copy": False, "source": True}
     assert log_text(daemon.path).count("from a copy in large folios") == 1

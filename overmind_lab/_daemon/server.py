@@ -20,6 +20,7 @@ import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, TypeVar, cast
@@ -99,6 +100,22 @@ def max_segments() -> int:
     return max(16, soft - FD_RESERVE)
 
 
+#: The nice value of the threads that copy and finish segments (Note [Background work yields]).
+BACKGROUND_NICE = 19
+
+
+# Note [Background work yields]: after a first load is stored, the daemon reads and writes
+# gigabytes nobody waits for: the copy of a source in small folios (Note [A copy to serve] in
+# ``store``, 1.9 GB for SD 1.5) and the finish of a segment (checksum, fsync). On 2 cores that
+# ran beside the user's next restart and cell at the same priority. So they run in threads of
+# their own at nice 19 (Linux gives a thread its own nice value): they take what the user's
+# processes leave. Checksums are not among them: a hit may wait for one (Note [Checks before a
+# hit]). A thread cannot raise its priority back unprivileged, hence the separate pool.
+def _lower_priority() -> None:
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+
+
 class Daemon:
     def __init__(self, path: Path, budget: int, cache_dir: Path | None = None) -> None:
         self.path = path
@@ -111,6 +128,8 @@ class Daemon:
         self.finishing: dict[str, Segment] = {}  # id -> segment being finished
         self.copying: dict[str, asyncio.Future[None]] = {}  # Note [A copy to serve]
         self._stopping = threading.Event()  # ends the copies
+        #: Note [Background work yields]: copies and finishes
+        self._background = ThreadPoolExecutor(2, "overmind-lab-background", _lower_priority)
         self.summing: dict[str, asyncio.Future[None]] = {}  # checksums being read
         self._dirty = False
         self._saver: asyncio.Task[None] | None = None
@@ -156,6 +175,7 @@ class Daemon:
                 log.warning("could not save the index: %s", exc)
         self.index.close(self.store.release)
         self.store.close()
+        self._background.shutdown(wait=False)
 
     async def _finished(self, sid: str) -> None:
         while sid in self.finishing:
@@ -493,13 +513,15 @@ class Daemon:
         except OSError as exc:
             return -1, str(exc)
         try:
-            return await asyncio.to_thread(self.store.copy_source, seg, src, self._stopping)
+            return await asyncio.get_running_loop().run_in_executor(
+                self._background, self.store.copy_source, seg, src, self._stopping)
         finally:
             os.close(src)
 
     async def _finish(self, seg: Segment) -> None:
         try:
-            await asyncio.to_thread(self.store.finish, seg)
+            await asyncio.get_running_loop().run_in_executor(
+                self._background, self.store.finish, seg)
         except OSError as exc:  # the entry stays, served from its .tmp file until evicted
             log.warning("could not finish segment %s on disk (%s): it will not survive a "
                         "restart", seg.id, exc)
