@@ -58,6 +58,12 @@ TARGETS: list[tuple[str, str, float]] = [
     ("wk_sd_cell", "SD 1.5 pipeline cell right after a kernel restart, warm kernel, warm cache "
                    "(median, s)", 1.0),
     ("wk_sd_cell_ratio", "SD 1.5 pipeline cell after a restart, warm kernel / plain kernel", 0.15),
+    ("wk_sd_restart_cell", "restart request -> SD 1.5 pipeline cell done, warm kernel (median, s)",
+     0.5),
+    ("wk_sd_restart_cell_ratio", "restart request -> SD 1.5 pipeline cell done, warm kernel / "
+                                 "plain kernel (medians)", 0.05),
+    ("wk_first_restart", "a fresh server's first restart (its first kernel plain, the zygote "
+                         "started meanwhile) -> SD 1.5 pipeline cell done (s, once)", 0.5),
     ("wk_llama_cell", "Llama 1.1B bf16 cell right after a kernel restart, warm kernel (median, s)",
      0.5),
     ("wk_pss", "summed PSS of 4 idle warm kernels, in plain kernels (below)", 2.0),
@@ -65,7 +71,8 @@ TARGETS: list[tuple[str, str, float]] = [
 #: Targets whose value and limit are milliseconds (the others are ratios).
 MS_TARGETS = {"rest_entries"}
 #: Targets whose value and limit are seconds.
-S_TARGETS = {"wk_restart", "wk_sd_cell", "wk_llama_cell"}
+S_TARGETS = {"wk_restart", "wk_sd_cell", "wk_llama_cell", "wk_sd_restart_cell",
+             "wk_first_restart"}
 #: Targets the value must stay strictly below.
 BELOW_TARGETS = {"wk_pss"}
 #: Targets that are speedups: the value must reach the limit (the others stay below it).
@@ -196,7 +203,12 @@ def _warm_kernel_values(wk: dict[str, Any]) -> dict[str, float | None]:
     if not wk or wk.get("error"):
         return {}
     sd, llama, pss = wk.get("sd15", {}), wk.get("llama", {}), wk.get("pss", {})
+    done = {kind: (sd.get(kind, {}).get("timeline_ms") or {}).get("client.execute_reply")
+            for kind in ("plain", "warm")}
     return {"wk_restart": sd.get("warm", {}).get("restart_seconds"),
+            "wk_sd_restart_cell": None if done["warm"] is None else done["warm"] / 1000,
+            "wk_sd_restart_cell_ratio": ratio(done["warm"], done["plain"]),
+            "wk_first_restart": (wk.get("first_restart") or {}).get("total_seconds"),
             "wk_sd_cell": sd.get("warm", {}).get("cell_seconds"),
             "wk_sd_cell_ratio": sd.get("ratios", {}).get("cell_warm_over_plain"),
             "wk_llama_cell": llama.get("warm", {}).get("cell_seconds"),
@@ -457,6 +469,15 @@ def _warm_kernel_markdown(wk: dict[str, Any] | None) -> list[str]:
                      f"{_s(warm.get('cell_seconds'))} | "
                      f"{_x(c.get('ratios', {}).get('cell_warm_over_plain'))} | "
                      f"{sum(forked)}/{len(forked)} |")
+    first = wk.get("first_restart") or {}
+    if first:
+        lines += ["", f"A fresh server's first restart (its first kernel plain, as no zygote ran "
+                      f"yet; the zygote started meanwhile; the cell 2 s before): "
+                      f"**{_s(first.get('total_seconds'))}** from the restart request to the SD "
+                      f"1.5 cell done (restart {_s(first.get('restart_seconds'))}, cell "
+                      f"{_s(first.get('cell_seconds'))}, "
+                      f"{'forked' if first.get('forked') else 'not forked'}); its first cell "
+                      f"(the cache's first load) {_s(first.get('first_cell_seconds'))}."]
     table = (wk.get("sd15") or {}).get("timeline_table")
     if table:  # each step of a restart, plain and warm (Note [Restart timeline])
         lines += ["", *table]

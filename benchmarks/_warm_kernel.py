@@ -18,6 +18,10 @@ zygote directory. Kernels are driven as JupyterLab drives them: ``POST api/kerne
   (``kernel.*``, hooks in the private ``ipython_kernel_config.py``, plain and warm alike) and
   overmind-lab's own (``provisioner.*``, ``zygote.*``, ``child.*``, ``$OVERMIND_LAB_TIMELINE``);
   medians in ``timeline_ms``, the table in ``timeline_table``;
+- ``first_restart``: a fresh server's first kernel of the warm kernelspec (plain: no zygote
+  runs yet; it starts one) loads the SD 1.5 pipeline (the cache's first load), then, once the
+  zygote serves and 2 s after the cell, one restart and the cell again: from the restart
+  request to the cell done (Note [A standby for a plain kernel's restart]); once per run;
 - ``pss``: summed PSS of 4 idle kernels that imported torch, diffusers and transformers
   (warm kernels also with the zygote's own PSS and their standbys kept ready added).
 
@@ -360,6 +364,30 @@ def _restarts(lab: _Lab, name: str, cell: str, repeat: int, progress: Progress) 
     return out
 
 
+def _first_restart(lab: _Lab, cell: str, progress: Progress) -> dict[str, Any]:
+    """A fresh server's first kernel (plain, the zygote starting), its first cell, then its
+    first restart once the zygote serves: seconds from the request to the cell done."""
+    k = lab.kernel("bench-warm")
+    try:
+        first = k.execute(cell)[0]
+        lab.zygote()
+        time.sleep(RESTART_PAUSE_S)
+        t0 = time.time()
+        restart = k.restart()
+        cell_seconds = k.execute(cell)[0]
+        total = time.time() - t0
+        steps = lab.steps_since(t0, time.time())
+        forked = _pids(k)[1] in lab.zygote_pids()
+    finally:
+        lab.drop(k)
+    progress(f"warm-kernel: a fresh server's first restart: {total:.2f} s to the SD cell done "
+             f"(restart {restart:.2f} s, cell {cell_seconds:.2f} s{', forked' if forked else ''}"
+             f"; its first cell, the cache's first load: {first:.2f} s)")
+    return {"first_cell_seconds": first, "restart_seconds": restart,
+            "cell_seconds": cell_seconds, "total_seconds": total, "forked": forked,
+            "timeline_ms": {name: 1000 * t for name, t in steps.items()}}
+
+
 def _timeline_medians(steps: list[dict[str, float]]) -> dict[str, float]:
     names = {name for s in steps for name in s}
     return {name: 1000 * statistics.median([s[name] for s in steps if name in s])
@@ -440,7 +468,8 @@ def run_warm_kernel(sd_path: Path, llama: Path, quick: bool, repeat: int,
     with _lab(env, log_dir, timeout, progress) as lab:
         result["server_pid"] = lab.server.pid
         progress("warm-kernel: first warm launch (plain; it starts the zygote)")
-        lab.drop(lab.kernel("bench-warm"))
+        result["first_restart"] = _first_restart(lab, SD_CELL.format(path=str(sd_path)),
+                                                 progress)
         result["zygote_pid"] = lab.zygote()["pid"]
         result["sd15"] = _restarts(lab, "sd15", SD_CELL.format(path=str(sd_path)), repeat,
                                    progress)

@@ -275,13 +275,18 @@ def test_quick_warm_kernel_case_through_a_jupyter_server(tmp_path: Path) -> None
             assert wk[name]["warm"]["forked"] == [True]
             assert wk[name]["plain"]["forked"] == [False]
             assert wk[name]["ratios"]["cell_warm_over_plain"] > 0
+        # a fresh server's first kernel is plain; its restart, once the zygote serves, is not
+        first = wk["first_restart"]
+        assert first["forked"] and first["total_seconds"] >= first["restart_seconds"] > 0
+        assert first["timeline_ms"]["client.execute_reply"] > 0
         pss = wk["pss"]
         assert pss["warm_forked"] == [True] * pss["kernels"]
         assert pss["plain_forked"] == [False] * pss["kernels"]
         assert pss["plain_sum_bytes"] > 0 and pss["warm_sum_bytes"] > 0
         assert pss["zygote_pss_bytes"] > 0 and pss["warm_in_plain_kernels"] > 0
         targets = {t["id"]: t for t in results["targets"]}
-        for tid in ("wk_sd_cell", "wk_sd_cell_ratio", "wk_llama_cell", "wk_pss"):
+        for tid in ("wk_sd_cell", "wk_sd_cell_ratio", "wk_llama_cell", "wk_pss",
+                    "wk_sd_restart_cell", "wk_sd_restart_cell_ratio", "wk_first_restart"):
             assert targets[tid]["value"] is not None and targets[tid]["passed"] is not None
         assert "## Warm kernels" in (out / "results.md").read_text(encoding="utf-8")
 
