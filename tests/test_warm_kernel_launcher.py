@@ -226,6 +226,9 @@ def test_without_a_zygote_the_launcher_becomes_a_plain_kernel(run_dir: Path) -> 
         pid, _torch, colorsys = k.probe()
         assert pid == k.proc.pid and not colorsys  # exec'd in place: a plain kernel
         assert "overmind-lab: launching a plain kernel: no zygote was running" in k.errors()
+        # ipykernel run by ``_launcher.plain`` (Note [A plain kernel's exit])
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        assert cmd[1:3] == [b"-m", b"overmind_lab._launcher.plain"], cmd
         k.kc.shutdown()
         assert k.proc.wait(timeout=60) == 0
     finally:

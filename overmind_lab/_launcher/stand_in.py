@@ -17,7 +17,7 @@ import signal
 import sys
 from typing import Any, NoReturn
 
-from overmind_lab._common.zygote_client import KERNEL_MODULE
+from overmind_lab._common.zygote_client import KERNEL_MODULE, PLAIN_MODULE
 
 __all__ = ["main"]
 
@@ -31,7 +31,8 @@ def _exec_plain(args: list[str], why: str | None) -> NoReturn:
         print(f"overmind-lab: launching a plain kernel: {why}", file=sys.stderr, flush=True)
     # An ignored signal stays ignored across exec (no KeyboardInterrupt): restore the default.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    os.execv(sys.executable, [sys.executable, "-m", KERNEL_MODULE, *args])
+    # ipykernel, then the fast exit a restart waits less for (Note [A plain kernel's exit]).
+    os.execv(sys.executable, [sys.executable, "-m", PLAIN_MODULE, *args])
 
 
 def _run_in_place(args: list[str]) -> None:
