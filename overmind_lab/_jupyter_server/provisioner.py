@@ -150,7 +150,7 @@ async def _until_process_exit(pid: int, timeout: float) -> None:
     return once ``pid`` exited, or after ``timeout``."""
     try:
         pidfd = os.pidfd_open(pid)
-    except OSError:  # gone already, or no pidfds: jupyter_client polls as it would
+    except (OSError, AttributeError):  # gone, or no pidfds (not Linux): jupyter_client polls
         return
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
@@ -494,7 +494,9 @@ class WarmProvisioner(LocalProvisioner):
 
     async def poll(self) -> int | None:
         if self.warm is None:
-            if self._shutting_down and self.process is not None:
+            # not reaped yet (``returncode`` unset): its pid is still its own
+            if self._shutting_down and self.process is not None \
+                    and self.process.returncode is None:
                 await _until_process_exit(self.process.pid, _SHUTDOWN_POLL_S)
             return await super().poll()
         if self._shutting_down:
