@@ -20,9 +20,11 @@ the first in every cell) through jupyter_server, plain kernels and warm alike:
   waited for its iopub channel until 100-200 ms after the old kernel's exit, though the new
   kernel listened on its ports 20 ms after it (Note [Ports bound at the fork]). The server's
   ZMQ context now gives the sockets it makes from then on ``reconnect_ivl`` 5 ms doubling up to
-  ``reconnect_ivl_max`` 50 ms (plus libzmq's jitter, below the 5 ms base): a restarted kernel is
-  found within a few ms of its bind, and a socket whose kernel is gone for good retries every
-  50-55 ms instead of every 100-200 ms (a refused connect to a local port costs microseconds).
+  ``reconnect_ivl_max`` 20 ms (plus libzmq's jitter, below the 5 ms base): a restarted kernel is
+  found within 20 ms of its bind however long the old one took to exit (a plain kernel's exit
+  left ~45 ms before the standby bound; at a 50 ms maximum the retry came 31 ms after the bind),
+  and a socket whose kernel is gone for good retries every 20-25 ms instead of every 100-200 ms
+  (a refused connect to a local port costs microseconds).
 
 Measured through a real server (``benchmarks/_warm_kernel.py``'s hooks, 5 warm restarts,
 trivial cell): restart request -> first ``kernel_info_reply`` 224 ms before, 151 ms with the
@@ -39,7 +41,7 @@ __all__ = ["RECONNECT_IVL_MAX_MS", "RECONNECT_IVL_MS", "tune_kernel_transport"]
 #: Note [Kernel messages without delays]: the first retry of a socket that lost its kernel, in
 #: ms, and the longest interval the doubling reaches (libzmq's ``ZMQ_RECONNECT_IVL(_MAX)``).
 RECONNECT_IVL_MS = 5
-RECONNECT_IVL_MAX_MS = 50
+RECONNECT_IVL_MAX_MS = 20
 
 _SETTING = "kernel_websocket_connection_class"
 
