@@ -23,6 +23,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ import pytest
 
 import overmind_lab
 from overmind_lab._jupyter_server import kernelspec as spec
+from overmind_lab._zygote.loop import RENEW_AFTER_IDLE_S
 from tests.conftest import run_cell, start_busy_cell
 from tests.nobody import NOBODY, package_for_nobody, python_for_nobody
 
@@ -460,27 +462,42 @@ def test_an_edited_user_module_in_the_notebook_folder_runs_new_code(
 
 
 def test_modules_a_kernel_imported_are_preloaded_by_a_later_zygote(
-        kernel: Kernel, warm_dir: Path) -> None:
-    """A kernel's exit records its third-party modules; the next fork notices that its
-    zygote lacks them and starts a replacement in the background (a replacement that was
-    already importing when the module was learned renews again on its own first fork)."""
+        kernel: Kernel, zygote: dict[str, Any], warm_dir: Path) -> None:
+    """A kernel's exit records its third-party modules; once no fork came for a while (Note [A
+    renewal waits for a pause]) the zygote starts a replacement that preloads them, and the
+    next restart is forked from it."""
     check = "import sys; print('colorsys' in sys.modules)"
     assert kernel.warm
     assert kernel.run(check).strip() == "False"
     kernel.run("import colorsys")
-    for _ in range(6):
-        kernel.restart()
-        assert kernel.warm, kernel.log_text()
-        if kernel.run(check).strip() == "True":
-            break
-        # let a replacement that is importing now take over before the next restart
-        _wait_for(lambda: not list(warm_dir.glob("zygote-*.sock.*")), 300,
-                  "booting zygotes to finish")
-        time.sleep(0.5)
-    else:
-        raise AssertionError(("no zygote preloaded colorsys", _logs(warm_dir)[-2000:]))
-    z = next(z for z in spec.zygotes(warm_dir) if z["pid"] == _ppid(kernel.pid))
-    assert "colorsys" in z["preload_roots"]
+    kernel.restart()  # the old kernel's exit records colorsys
+    assert kernel.warm, kernel.log_text()
+    assert kernel.run(check).strip() == "False"  # forked from the zygote that lacks it
+    before = _ppid(kernel.pid)
+    ready = _wait_for(lambda: [z for z in spec.zygotes(warm_dir)
+                               if z["identity"] == zygote["identity"] and not z["retiring"]
+                               and "colorsys" in z["preload_roots"]], 300,
+                      "a zygote that preloaded colorsys")
+    kernel.restart()
+    assert kernel.warm, kernel.log_text()
+    assert kernel.run(check).strip() == "True"
+    assert _ppid(kernel.pid) == ready[0]["pid"]
+    # The renewal began a pause after the old zygote's last fork, not at a fork.
+    lines = zygote_log_times(warm_dir, before)
+    renewed = max(t for t, line in lines if "starting a zygote that also preloads" in line)
+    last_fork = max(t for t, line in lines if "forked kernel" in line and t <= renewed)
+    assert renewed - last_fork >= RENEW_AFTER_IDLE_S - 0.01, (last_fork, renewed)
+
+
+def zygote_log_times(directory: Path, pid: int) -> list[tuple[float, str]]:
+    """``(time, line)`` of zygote ``pid``'s log lines (``logging``'s asctime, ms)."""
+    out = []
+    for line in _logs(directory).splitlines():
+        stamp, _, rest = line.partition(f" zygote {pid} ")
+        if rest:
+            when = datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f")
+            out.append((when.timestamp(), rest))
+    return out
 
 
 @pytest.mark.skipif(os.getuid() != 0 or shutil.which("setpriv") is None,

@@ -65,6 +65,8 @@ _AFFINITY_PROBE_TIMEOUT = 8.0
 _TICK_MS = 500
 #: A replacement that did not take over (it failed, or lost the boot lock) is asked again.
 _RENEW_AGAIN_S = 30.0
+#: Note [A renewal waits for a pause]: seconds without a fork before a renewal is considered.
+RENEW_AFTER_IDLE_S = 10.0
 _PROBE = (
     "import json, threadpoolctl\n"
     "for m in ('numpy', 'scipy.linalg'):\n"
@@ -105,6 +107,8 @@ class _State:
     #: ``time.monotonic()`` when the last staleness check that found nothing began
     checked_at: float | None = None
     renew_requested: float = 0.0
+    #: ``time.monotonic()`` of the last fork whose pause was not yet checked for a renewal
+    forked_at: float | None = None
     started: float = field(default_factory=time.time)
 
 
@@ -496,7 +500,7 @@ def _handle_fork(state: _State, conn: socket.socket, chan: Channel,
             os.close(go_w)
     timeline("zygote.fork_reply", env, kernel=pid)
     log.info("forked kernel %d for %d in %.1f ms", pid, peer, state.last_fork_ms)
-    _maybe_renew(state)
+    state.forked_at = time.monotonic()  # Note [A renewal waits for a pause]
 
 
 def _reap_unready(pid: int) -> None:
@@ -539,9 +543,18 @@ def _booting(paths: ZygotePaths) -> bool:
     return False
 
 
+# Note [A renewal waits for a pause]: a grown preload set (modules a kernel's exit recorded,
+# cached entries' classes) is imported by a new zygote in the background: ~5 s of CPU, which
+# on 2 cores slowed whatever ran beside it. Started at the fork after a kernel's exit recorded
+# new modules, it ran in a restart loop's next restarts and cells: in a fresh environment,
+# restarts 2 s apart, restart to the SD 1.5 cell done was 0.44-0.64 s during it against
+# 0.25-0.32 s otherwise (quiet), the cell alone up to 0.28 s against 0.09-0.12 s. So it is
+# considered once no fork came for ``RENEW_AFTER_IDLE_S``: while the user reads and edits,
+# not while they restart and rerun. Until then kernels import what the zygote lacks, as
+# before. Checked on the loop's tick, once per pause.
 def _maybe_renew(state: _State) -> None:
     """Note [Replacing a zygote]: a grown preload set is imported by a new zygote in the background
-    (checked after a fork, off its path)."""
+    (Note [A renewal waits for a pause])."""
     if state.retiring or time.monotonic() - state.renew_requested < _RENEW_AGAIN_S:
         return
     missing = _missing(state)
@@ -674,6 +687,10 @@ def _loop(state: _State) -> None:
                         os.close(pfd)
         if state.retiring and not _replaced(state):
             _unlink_own_socket(state)
+        if (state.forked_at is not None
+                and time.monotonic() - state.forked_at >= RENEW_AFTER_IDLE_S):
+            state.forked_at = None
+            _maybe_renew(state)
 
 
 def _unlink_own_socket(state: _State) -> None:
