@@ -546,12 +546,12 @@ def _booting(paths: ZygotePaths) -> bool:
 # Note [A renewal waits for a pause]: a grown preload set (modules a kernel's exit recorded,
 # cached entries' classes) is imported by a new zygote in the background: ~5 s of CPU, which
 # on 2 cores slowed whatever ran beside it. Started at the fork after a kernel's exit recorded
-# new modules, it ran in a restart loop's next restarts and cells: in a fresh environment,
-# restarts 2 s apart, restart to the SD 1.5 cell done was 0.44-0.64 s during it against
-# 0.25-0.32 s otherwise (quiet), the cell alone up to 0.28 s against 0.09-0.12 s. So it is
-# considered once no fork came for ``RENEW_AFTER_IDLE_S``: while the user reads and edits,
-# not while they restart and rerun. Until then kernels import what the zygote lacks, as
-# before. Checked on the loop's tick, once per pause.
+# new modules, it ran in a restart loop's next restarts and cells: in a fresh environment
+# (quiet, restarts 2 s apart), restart to the SD 1.5 cell done took 0.44-0.64 s during it, the
+# cell alone 0.18-0.28 s. So it is considered once no fork came for ``RENEW_AFTER_IDLE_S``:
+# while the user reads and edits, not while they restart and rerun. Until then kernels import
+# what the zygote lacks, as before: the same restarts took 0.23-0.33 s (cells 0.11-0.14 s).
+# Checked on the loop's tick, once per pause.
 def _maybe_renew(state: _State) -> None:
     """Note [Replacing a zygote]: a grown preload set is imported by a new zygote in the background
     (Note [A renewal waits for a pause])."""
