@@ -41,7 +41,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from benchmarks._memory import read_smaps_rollup
 from benchmarks._server import JupyterServer, WsKernel
@@ -338,15 +338,11 @@ def _restarts(lab: _Lab, name: str, cell: str, repeat: int, progress: Progress) 
             forked: list[bool] = []
             steps: list[dict[str, float]] = []
             for i in range(repeat):
-                # A user restarts after reading the last cell's output, not within a second of
-                # the launch: a standby kept ready (Note [A standby kept ready]) is forked a
-                # second after each launch. Plain and warm kernels get the same pause.
-                time.sleep(RESTART_PAUSE_S)
-                t0 = time.time()
-                restarts.append(k.restart())
-                cells.append(k.execute(cell)[0])
-                steps.append(lab.steps_since(t0, time.time()))
-                forked.append(_pids(k)[1] in lab.zygote_pids())
+                one = _timed_restart(lab, k, cell)
+                restarts.append(one.restart)
+                cells.append(one.cell)
+                steps.append(one.steps)
+                forked.append(one.forked)
                 progress(f"warm-kernel: {name} {kind} {i + 1}/{repeat}: restart "
                          f"{restarts[-1]:.2f} s, cell {cells[-1]:.2f} s"
                          f"{' (forked)' if forked[-1] else ''}")
@@ -364,6 +360,28 @@ def _restarts(lab: _Lab, name: str, cell: str, repeat: int, progress: Progress) 
     return out
 
 
+class _Restart(NamedTuple):
+    restart: float  # seconds from the request to the first kernel_info_reply
+    cell: float  # seconds of the cell after it
+    total: float  # seconds from the request to the cell done
+    steps: dict[str, float]  # Lab.steps_since the request
+    forked: bool  # the new kernel's parent is a zygote
+
+
+def _timed_restart(lab: _Lab, k: WsKernel, cell: str) -> _Restart:
+    """One restart of ``k`` and ``cell`` right after it, timed. A user restarts after reading
+    the last cell's output, not within a second of the launch: a standby kept ready (Note [A
+    standby kept ready]) is forked a second after each launch. Every kernel gets the same
+    pause before."""
+    time.sleep(RESTART_PAUSE_S)
+    t0 = time.time()
+    restart = k.restart()
+    cell_seconds = k.execute(cell)[0]
+    total = time.time() - t0
+    steps = lab.steps_since(t0, time.time())
+    return _Restart(restart, cell_seconds, total, steps, _pids(k)[1] in lab.zygote_pids())
+
+
 def _first_restart(lab: _Lab, cell: str, progress: Progress) -> dict[str, Any]:
     """A fresh server's first kernel (plain, the zygote starting), its first cell, then its
     first restart once the zygote serves: seconds from the request to the cell done."""
@@ -371,21 +389,16 @@ def _first_restart(lab: _Lab, cell: str, progress: Progress) -> dict[str, Any]:
     try:
         first = k.execute(cell)[0]
         lab.zygote()
-        time.sleep(RESTART_PAUSE_S)
-        t0 = time.time()
-        restart = k.restart()
-        cell_seconds = k.execute(cell)[0]
-        total = time.time() - t0
-        steps = lab.steps_since(t0, time.time())
-        forked = _pids(k)[1] in lab.zygote_pids()
+        one = _timed_restart(lab, k, cell)
     finally:
         lab.drop(k)
-    progress(f"warm-kernel: a fresh server's first restart: {total:.2f} s to the SD cell done "
-             f"(restart {restart:.2f} s, cell {cell_seconds:.2f} s{', forked' if forked else ''}"
-             f"; its first cell, the cache's first load: {first:.2f} s)")
-    return {"first_cell_seconds": first, "restart_seconds": restart,
-            "cell_seconds": cell_seconds, "total_seconds": total, "forked": forked,
-            "timeline_ms": {name: 1000 * t for name, t in steps.items()}}
+    progress(f"warm-kernel: a fresh server's first restart: {one.total:.2f} s to the SD cell "
+             f"done (restart {one.restart:.2f} s, cell {one.cell:.2f} s"
+             f"{', forked' if one.forked else ''}; its first cell, the cache's first load: "
+             f"{first:.2f} s)")
+    return {"first_cell_seconds": first, "restart_seconds": one.restart,
+            "cell_seconds": one.cell, "total_seconds": one.total, "forked": one.forked,
+            "timeline_ms": {name: 1000 * t for name, t in one.steps.items()}}
 
 
 def _timeline_medians(steps: list[dict[str, float]]) -> dict[str, float]:

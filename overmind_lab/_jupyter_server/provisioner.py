@@ -250,8 +250,9 @@ class WarmProvisioner(LocalProvisioner):
     #: Note [Exit on the pidfd]: set by ``shutdown_requested``, cleared by the next launch.
     _shutting_down: bool = False
     _warm_exit: asyncio.Future[None] | None = None
-    #: Note [Checked while the old kernel exits]: the last warm launch (what a launch like it
-    #: must equal: :meth:`_launch_of`), and when a restart of it was requested
+    #: Note [Checked while the old kernel exits]: the last launch, warm or plain (Note [A standby
+    #: for a plain kernel's restart]; what a launch like it must equal: :meth:`_launch_of`), and
+    #: when a restart of it was requested
     #: (``time.monotonic()``).
     _launched: _Launch | None = None
     _restart_since: float | None = None

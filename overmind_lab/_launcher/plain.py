@@ -20,8 +20,7 @@ __all__ = ["main"]
 
 
 def main() -> None:
-    args = sys.argv[1:]
-    sys.argv = [sys.argv[0], *args]
+    args = sys.argv[1:]  # ``sys.argv[0]`` becomes ipykernel_launcher's file (runpy)
     # What a `python -m ipykernel_launcher ARGS` process would have (as a forked kernel).
     sys.orig_argv = [sys.orig_argv[0], "-m", KERNEL_MODULE, *args]
     exit_now(run_main(KERNEL_MODULE))
