@@ -100,17 +100,20 @@ def max_segments() -> int:
     return max(16, soft - FD_RESERVE)
 
 
-#: The nice value of the threads that copy and finish segments (Note [Background work yields]).
+#: The nice value of the threads that copy sources (Note [Background work yields]).
 BACKGROUND_NICE = 19
 
 
 # Note [Background work yields]: after a first load is stored, the daemon reads and writes
 # gigabytes nobody waits for: the copy of a source in small folios (Note [A copy to serve] in
-# ``store``, 1.9 GB for SD 1.5) and the finish of a segment (checksum, fsync). On 2 cores that
-# ran beside the user's next restart and cell at the same priority. So they run in threads of
-# their own at nice 19 (Linux gives a thread its own nice value): they take what the user's
-# processes leave. Checksums are not among them: a hit may wait for one (Note [Checks before a
-# hit]). A thread cannot raise its priority back unprivileged, hence the separate pool.
+# ``store``, 1.9 GB for SD 1.5). On 2 cores that ran beside the user's next restart and cell at
+# the same priority. So copies run in threads of their own at nice 19 (Linux gives a thread its
+# own nice value): they take what the user's processes leave. A thread cannot raise its
+# priority back unprivileged, hence the separate pool. Not among them: checksums (a hit may
+# wait for one: Note [Checks before a hit]), and finishes (``Store.finish``): between its stamp
+# check and its trailer write a write to the file would be sealed into the entry, and a thread
+# at nice 19 can be preempted there for long; CI once served such a damaged segment warm
+# (``test_a_segment_damaged_right_after_its_store_is_dropped``) with finishes in this pool.
 def _lower_priority() -> None:
     with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
@@ -128,7 +131,7 @@ class Daemon:
         self.finishing: dict[str, Segment] = {}  # id -> segment being finished
         self.copying: dict[str, asyncio.Future[None]] = {}  # Note [A copy to serve]
         self._stopping = threading.Event()  # ends the copies
-        #: Note [Background work yields]: copies and finishes
+        #: Note [Background work yields]: copies
         self._background = ThreadPoolExecutor(2, "overmind-lab-background", _lower_priority)
         self.summing: dict[str, asyncio.Future[None]] = {}  # checksums being read
         self._dirty = False
@@ -520,8 +523,7 @@ class Daemon:
 
     async def _finish(self, seg: Segment) -> None:
         try:
-            await asyncio.get_running_loop().run_in_executor(
-                self._background, self.store.finish, seg)
+            await asyncio.to_thread(self.store.finish, seg)
         except OSError as exc:  # the entry stays, served from its .tmp file until evicted
             log.warning("could not finish segment %s on disk (%s): it will not survive a "
                         "restart", seg.id, exc)
