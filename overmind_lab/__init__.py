@@ -74,6 +74,11 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'overmind_lab' has no attribute {name!r}")
     import importlib
 
+    from overmind_lab._loading import prewarm
+
+    # Waiting for the thread costs nothing the import would not: it does this import, and the
+    # two never compete for the GIL (Note [The first call's work, earlier]).
+    prewarm.wait()
     value = getattr(importlib.import_module(f"overmind_lab.{module}"), name)
     globals()[name] = value
     return value
@@ -81,3 +86,14 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
+
+
+def _prewarm() -> None:
+    # Note [The first call's work, earlier] (``_loading/prewarm.py``): the first ``load``'s imports
+    # and installation scans, in a background thread, while the user imports torch and the rest.
+    from overmind_lab._loading import prewarm
+
+    prewarm.start()
+
+
+_prewarm()

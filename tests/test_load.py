@@ -71,7 +71,6 @@ def test_stored_by_one_process_loaded_bit_equal_by_another_without_copy(
 FIRST_HIT = """
 import dataclasses, json, sys, torch
 from diffusers import UNet2DConditionModel
-import overmind_lab
 defined = []
 real = dataclasses._process_class
 def spy(cls, *args, **kwargs):
@@ -94,7 +93,8 @@ def watch(name):
     setattr(builtins, name, spy)
 for name in ("compile", "exec", "eval"):
     watch(name)
-before = set(sys.modules)
+before = set(sys.modules)  # the package's start-up thread imports the hit path (Note [The first
+import overmind_lab        # call's work, earlier]): what it and the first load import
 with overmind_lab.record_loads() as events:
     overmind_lab.load(UNet2DConditionModel.from_pretrained, {path!r})
 print(json.dumps({{"outcome": events[-1].outcome, "defined": defined, "compiled": compiled,

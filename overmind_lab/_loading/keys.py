@@ -400,8 +400,42 @@ def _process_state() -> dict[str, Any]:
     return state
 
 
+#: the search path's state when the background thread scanned (Note [The first call's work,
+#: earlier] in ``prewarm``), until the first key compares it
+_prewarmed: tuple[Any, ...] | None = None
+
+
+def prewarm() -> None:
+    """The installation scans of a process's first key, ahead of it (in ``prewarm``'s thread)."""
+    global _prewarmed
+    from overmind_lab._loading.prewarm import site_state
+
+    state = site_state()  # before the scans: a change while they run is seen
+    _installed_versions()
+    _attention_packages()
+    _torch_installed()
+    user_code.prewarm()
+    _prewarmed = state
+
+
+def _settle() -> None:
+    """Forget the scans made ahead of the first key if the search path changed since."""
+    global _prewarmed
+    state, _prewarmed = _prewarmed, None
+    if state is None:
+        return
+    from overmind_lab._loading.prewarm import site_state
+
+    if state != site_state():
+        for cached in (_installed_versions, _attention_packages, _torch_installed):
+            cached.cache_clear()
+        user_code.forget_roots()
+
+
 # -- the key ----------------------------------------------------------------------------
 def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> KeyInfo:
+    if _prewarmed is not None:
+        _settle()
     qual, import_path = callable_name(fn)
     try:
         sig = inspect.signature(fn)

@@ -71,6 +71,19 @@ def _roots() -> tuple[tuple[str, bool], ...]:
     return tuple(sorted(roots.items(), key=lambda r: len(r[0]), reverse=True))
 
 
+def prewarm() -> None:
+    """This module's once-per-process work, ahead of the first key (``keys.prewarm``)."""
+    _roots()
+    _process_start_ns()
+
+
+def forget_roots() -> None:
+    """Compute the roots again (the installation changed: ``keys._settle``)."""
+    _roots.cache_clear()
+    is_regular_file.cache_clear()
+    _packages.clear()
+
+
 def _as_root(path: str) -> str:
     return os.path.realpath(path).rstrip(os.sep) + os.sep
 

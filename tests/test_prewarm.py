@@ -1,0 +1,94 @@
+"""``import overmind_lab``'s start-up thread: Note [The first call's work, earlier] in
+``_loading/prewarm.py``. Each case runs in a fresh interpreter, as a user's process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from overmind_lab._loading.prewarm import wanted
+from tests.conftest import last_json, run_py
+
+# A fresh process: import the package, wait for its thread, then make a first key and report what
+# that key scanned and imported itself.
+FIRST_KEY = """
+import json, sys
+import overmind_lab
+from overmind_lab._loading import prewarm
+prewarm.wait(60)
+from overmind_lab._loading import keys, user_code
+scans = (keys._installed_versions, keys._attention_packages, user_code._roots)
+misses = [f.cache_info().misses for f in scans]
+before = set(sys.modules)
+{between}
+keys.make_key(json.loads, ("{{}}",), {{}})  # a library function: its module file is looked up
+print(json.dumps({{
+    "warmed": misses,
+    "scanned": [f.cache_info().misses - m for f, m in zip(scans, misses)],
+    "imported": sorted(m for m in set(sys.modules) - before if m.startswith("overmind_lab")),
+    "diffusers": keys._installed_versions().get("diffusers"),
+}}))
+"""
+
+
+def _first_key(between: str = "", env: dict[str, str] | None = None) -> dict[str, object]:
+    return last_json(run_py(FIRST_KEY.format(between=between), env=env))  # type: ignore[no-any-return]
+
+
+def test_the_first_key_finds_its_imports_and_scans_done() -> None:
+    out = _first_key()
+    assert out["warmed"] == [1, 1, 1]  # the thread scanned once each
+    assert out["scanned"] == [0, 0, 0]  # and the first key reused it
+    assert out["imported"] == []
+
+
+def test_without_the_thread_the_first_key_does_the_work() -> None:
+    out = _first_key(env={"OVERMIND_LAB_PREWARM": "0"})
+    assert out["warmed"] == [0, 0, 0]
+    assert out["scanned"] == [1, 1, 1]
+
+
+def _fake_dist(folder: Path) -> None:
+    (folder / "diffusers-99.0.dist-info").mkdir(parents=True)
+
+
+@pytest.mark.parametrize("how", ["new folder on sys.path", "install into a folder on sys.path"])
+def test_an_install_after_the_scan_is_seen_by_the_first_key(tmp_path: Path, how: str) -> None:
+    """A package installed between ``import overmind_lab`` and the first load is in that load's
+    key, as without the thread: the scans are made again."""
+    site = tmp_path / "site"
+    site.mkdir()
+    if how == "new folder on sys.path":
+        between = f"import pathlib; pathlib.Path({str(site)!r}, 'diffusers-99.0.dist-info').mkdir()\n" \
+                  f"sys.path.insert(0, {str(site)!r})"
+        out = _first_key(between)
+    else:  # on the path from the start, empty when the thread scanned
+        between = f"import pathlib; pathlib.Path({str(site)!r}, 'diffusers-99.0.dist-info').mkdir()"
+        out = _first_key(between, env={"PYTHONPATH": str(site)})
+    assert out["diffusers"] == "99.0"
+
+
+def test_a_scan_before_an_install_is_what_it_was() -> None:
+    """The other direction of the test above: nothing changed, nothing rescanned, and the
+    version is the installed one."""
+    out = _first_key()
+    assert out["diffusers"] not in (None, "99.0")
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["python", "-c", "import overmind_lab"], True),
+    (["python", "notebook_script.py"], True),
+    (["python", "-m", "ipykernel_launcher", "-f", "x.json"], True),
+    (["python", "-X", "importtime", "-m", "ipykernel_launcher"], True),
+    (["python", "-m", "overmind_lab", "serve"], False),
+    (["python", "-m", "overmind_lab._zygote", "--socket", "s"], False),
+    (["python", "-u", "-m", "overmind_lab._launcher", "-f", "x.json"], False),
+    (["/venv/bin/python", "/venv/bin/overmind-lab", "serve"], False),
+])
+def test_our_own_processes_start_no_thread(argv: list[str], expected: bool,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OVERMIND_LAB_PREWARM", raising=False)
+    assert wanted(argv) is expected
+    monkeypatch.setenv("OVERMIND_LAB_PREWARM", "0")
+    assert wanted(argv) is False
