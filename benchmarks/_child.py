@@ -213,6 +213,7 @@ def _main(job: dict[str, Any]) -> None:
     start = time.perf_counter()
     _touch_pages(storages)
     touch_seconds = time.perf_counter() - start
+    encode_seconds = _first_encoding(obj)
 
     result: dict[str, Any] = {
         "pid": os.getpid(),
@@ -226,6 +227,8 @@ def _main(job: dict[str, Any]) -> None:
     }
     if repeat_seconds is not None:
         result["repeat_seconds"] = repeat_seconds
+    if encode_seconds is not None:
+        result["encode_seconds"] = encode_seconds
     if cached:
         result["cache_key"] = overmind_lab.key_of(obj)
         # A large first load is stored by a forked process after the call returned (Note
@@ -249,6 +252,22 @@ def _main(job: dict[str, Any]) -> None:
         _send("holding", **result)
         _wait_for("exit")
     _send("result", **result)
+
+
+#: what a pipeline's first use encodes
+PROMPT = "a photo of an astronaut riding a horse on mars"
+
+
+def _first_encoding(obj: Any) -> float | None:
+    """Seconds for the first encoding of a prompt by the result's tokenizer (a pipeline's, or the
+    result itself), ``None`` if it has none. A warm hit builds its Rust tokenizer here (Note [A
+    tokenizer built on first use]); a plain load built it inside the load."""
+    tok = getattr(obj, "tokenizer", None) or obj
+    if not (callable(tok) and callable(getattr(tok, "get_vocab", None))):
+        return None
+    start = time.perf_counter()
+    tok(PROMPT)
+    return time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> None:

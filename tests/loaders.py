@@ -259,3 +259,13 @@ class Finalised(torch.nn.Module):
 
 def finalised(n: int) -> Finalised:
     return Finalised(n)
+
+
+def tokenizer_held_twice(path: str, hold: str) -> dict[str, Any]:
+    """A CLIP tokenizer and, beside it, a second reference into what its Rust tokenizer holds:
+    the tokenizer itself (``backend``) or its ``decode`` wrapper (``decode``)."""
+    from transformers import CLIPTokenizer
+
+    tok = CLIPTokenizer.from_pretrained(path)
+    other = tok._tokenizer if hold == "backend" else tok._tokenizer.decode
+    return {"tok": tok, "other": other}

@@ -223,6 +223,11 @@ class _Walker:
     def instance(self, obj: Any, path: str, depth: int) -> None:
         cls = type(obj)
         state = getattr(obj, "__dict__", None)
+        if isinstance(state, dict) and _DEFERRED in state:  # the attributes a plain load has
+            from overmind_lab._loading.deferred import complete
+
+            complete(obj)
+            state = obj.__dict__
         slots = _slots(cls)
         if not isinstance(state, dict) and (not slots or _custom_reduce(cls)):
             # what pickle saves: e.g. a path by its text, not its lazily filled caches
@@ -418,6 +423,11 @@ class _Walker:
         if callable(getattr(backend, "to_str", None)):
             probes.append(("backend", lambda: _digest(backend.to_str().encode())))
         self.facts(f"{path} tokenizer", probes)
+
+
+#: ``_loading.deferred.MARKER``: an object with attributes still to build (not imported: this
+#: module runs in processes that never load)
+_DEFERRED = "_overmind_lab_deferred"
 
 
 def _child(path: str, name: str) -> str:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from overmind_lab._errors import NotCacheable
-from overmind_lab._loading import user_code
+from overmind_lab._loading import deferred, user_code
 
 if TYPE_CHECKING:
     from overmind_lab._common.messages import ReplaySpec
@@ -175,6 +175,9 @@ def normalize(value: Any, where: str, _seen: tuple[int, ...] = ()) -> Any:
 def _complete_state(value: Any, where: str, seen: tuple[int, ...]) -> Any:
     """Every attribute of a config-like object, canonical (see :func:`normalize`)."""
     state = getattr(value, "__dict__", None)
+    if isinstance(state, dict) and deferred.MARKER in state:
+        deferred.complete(value)  # the state a plain load's object has
+        state = value.__dict__
     if not isinstance(state, dict):
         raise NotCacheable(f"argument {where} of type {type(value).__qualname__} has no "
                            "attribute dictionary, so its state cannot be part of a cache key")

@@ -567,6 +567,61 @@ def rebuild_tokenizer(stub: str, vocab: dict[str, int], merges: list[tuple[str, 
     return tok
 
 
+def _deferred() -> Any:
+    from overmind_lab._loading import deferred
+
+    return deferred
+
+
+def reduce_deferring(obj: Any, base: type, plan: WritePlan) -> Any:
+    """A transformers tokenizer with its Rust tokenizer pickled apart, or ``None`` where that could
+    change what a hit returns (Note [A tokenizer built on first use] in ``deferred``)."""
+    deferred = _deferred()
+    deferred.complete(obj)  # itself from a hit, not yet used
+    state = obj.__dict__
+    root = state.get(deferred.NAMES[0])
+    if type(root).__module__ != "tokenizers" or type(root).__name__ != "Tokenizer":
+        return None
+    nested = WritePlan()
+    file = io.BytesIO()
+    pickler = _make_pickler(base, file, nested, {})
+    _set_up(pickler, base)
+    # What the attempt holds would count as other references (``closed``), and a failed one's
+    # plan lives on in its pickler class until a collection: let go of both now.
+    try:
+        pickler.dump({deferred.NAMES[0]: root})
+    except BaseException:
+        nested.classes.clear()
+        raise
+    finally:
+        pickler.clear_memo()
+        del pickler
+    if nested.items or nested.refs or nested.buffers or nested.hooks:
+        return None  # not self-contained: storages, hooks
+    # 1: ``root`` here; the nested plan lists the functions it pickled (for the entry's code)
+    if not deferred.closed(root, 1, (nested.classes,)):
+        return None
+    plan.classes.extend(nested.classes)
+    kind = "pickle" if base is pickle.Pickler else "dill"
+    held = deferred.Deferred(file.getvalue(), kind)
+    # In the attribute's place: the dictionary keeps a plain load's order (``deferred.complete``)
+    rest = {(deferred.MARKER if k == deferred.NAMES[0] else k):
+            (held if k == deferred.NAMES[0] else v) for k, v in state.items()}
+    return (copyreg.__newobj__, (type(obj),), rest)  # type: ignore[attr-defined]
+
+
+def load_nested(blob: bytes, kind: str) -> Any:
+    """Unpickle what ``reduce_deferring`` pickled apart."""
+    base = pickle.Unpickler if kind == "pickle" else _dill().Unpickler
+    collecting = gc.isenabled()
+    gc.disable()  # Note [No collection while rebuilding]
+    try:
+        return _make_unpickler(base, io.BytesIO(blob), []).load()
+    finally:
+        if collecting:
+            gc.enable()
+
+
 # Note [Hashes of strings]: transformers' GenerationConfig records ``hash(self)`` at load and
 # compares it later to tell whether the user changed it. String hashes are salted per process, so a
 # rebuilt one would look modified: a hash that was current when pickled is recomputed.
@@ -622,6 +677,7 @@ def _make_pickler(base: type, file: io.BytesIO, plan: WritePlan, components: dic
                     else "hooks" if issubclass(cls, (torch.nn.Module, RemovableHandle))
                     else "ordered" if _ordered_with_attributes(cls)
                     else "ndarray" if cls.__module__ == "numpy" and cls.__name__ == "ndarray"
+                    else "deferrable" if _deferred().defers(cls)
                     else "")
             if kind == "slotted":  # Note [Modules with slots]
                 plan.hooks = plan.hooks or _has_hooks(obj)
@@ -638,6 +694,11 @@ def _make_pickler(base: type, file: io.BytesIO, plan: WritePlan, components: dic
             if kind == "hooks":  # Note [Hook ids]
                 plan.hooks = plan.hooks or not isinstance(obj, torch.nn.Module) or _has_hooks(obj)
                 return NotImplemented
+            if kind == "deferrable":  # Note [A tokenizer built on first use]
+                reduced = reduce_deferring(obj, base, plan)
+                if reduced is not None:
+                    return reduced
+                kind = ""  # pickled as before
             if kind == "code":  # a class or function, once per stream (then memoized)
                 plan.classes.append(obj)
                 return NotImplemented
@@ -676,24 +737,40 @@ def dump(obj: Any, components: dict[int, str] | None = None, *,
         try:
             base = pickle.Pickler if kind == "pickle" else _dill().Pickler
             pickler = _make_pickler(base, file, plan, components or {})
-            if kind == "pickle":
-                pickler.dump(obj)
-            else:
-                # Note [Classes by reference]: dill would pickle a class defined in a function by
-                # value, and a hit's ``isinstance(model, TinyNet)`` would be False. Classes go by
-                # reference as in pickle (such a result is uncached); functions by value.
-                pickler._byref = True
-                with warnings.catch_warnings():
+            _set_up(pickler, base)
+            with warnings.catch_warnings():
+                if kind == "dill":
                     # dill warns about each class it cannot find by name, then fails on it
                     warnings.simplefilter("ignore", _dill().PicklingWarning)
-                    pickler.dump(obj)
+                pickler.dump(obj)
             return file.getvalue(), plan, kind
         except RecursionError as exc:
             raise NotCacheable(f"the result is nested too deeply to pickle: {exc}") from exc
         except Exception as exc:  # noqa: BLE001 - whatever a reducer raises: try dill, then
             errors.append(exc)  # give up (Note [Never worse than plain] in ``load``)
+            _let_go(exc)
     first = errors[0]
     raise NotCacheable(f"the result cannot be pickled: {type(first).__name__}: {first}") from first
+
+
+def _let_go(exc: BaseException | None) -> None:
+    """Clear the locals of the frames a failed attempt's traceback keeps: they would hold the
+    objects being pickled, and the next attempt counts their references (``deferred.closed``)."""
+    import traceback
+
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
+
+
+def _set_up(pickler: Any, base: type) -> None:
+    if base is not pickle.Pickler:
+        # Note [Classes by reference]: dill would pickle a class defined in a function by value,
+        # and a hit's ``isinstance(model, TinyNet)`` would be False. Classes go by reference as
+        # in pickle (such a result is uncached); functions by value.
+        pickler._byref = True
 
 
 def _dill() -> Any:
