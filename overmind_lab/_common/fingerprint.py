@@ -224,9 +224,7 @@ class _Walker:
         cls = type(obj)
         state = getattr(obj, "__dict__", None)
         if isinstance(state, dict) and _DEFERRED in state:  # the attributes a plain load has
-            from overmind_lab._loading.deferred import complete
-
-            complete(obj)
+            state[_DEFERRED].complete(obj)
             state = obj.__dict__
         slots = _slots(cls)
         if not isinstance(state, dict) and (not slots or _custom_reduce(cls)):

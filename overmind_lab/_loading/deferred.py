@@ -48,26 +48,26 @@ _lock = threading.RLock()
 
 
 class Deferred:
-    """Attributes of one object as pickled bytes, unpickled on first use."""
+    """Attributes of one object as pickled bytes, unpickled on first use by ``load`` (``pickling``
+    passes its own: this module does not import it)."""
 
-    __slots__ = ("blob", "kind")
+    __slots__ = ("blob", "kind", "load", "rebuild")
 
-    def __init__(self, blob: bytes, kind: str) -> None:
+    def __init__(self, blob: bytes, kind: str, load: Any, rebuild: Any) -> None:
         self.blob = blob
         self.kind = kind
+        self.load = load
+        self.rebuild = rebuild
+
+    def complete(self, owner: Any) -> None:
+        """``complete(owner)``, for modules that do not import this one (the fingerprint's)."""
+        complete(owner)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (rebuild_deferred, (self.blob, self.kind))
+        return (self.rebuild, (self.blob, self.kind))
 
     def values(self) -> dict[str, Any]:
-        from overmind_lab._loading.pickling import load_nested
-
-        return load_nested(self.blob, self.kind)  # type: ignore[no-any-return]
-
-
-def rebuild_deferred(blob: bytes, kind: str) -> Deferred:
-    install()
-    return Deferred(blob, kind)
+        return self.load(self.blob, self.kind)  # type: ignore[no-any-return]
 
 
 def complete(owner: Any) -> None:

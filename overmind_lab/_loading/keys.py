@@ -411,8 +411,6 @@ _prewarmed: tuple[Any, ...] | None = None
 def prewarm() -> None:
     """The installation scans of a process's first key, ahead of it (in ``prewarm``'s thread)."""
     global _prewarmed
-    from overmind_lab._loading.prewarm import site_state
-
     state = site_state()  # before the scans: a change while they run is seen
     _installed_versions()
     _attention_packages()
@@ -421,14 +419,23 @@ def prewarm() -> None:
     _prewarmed = state
 
 
+def site_state() -> tuple[Any, ...]:
+    """What the installation scans depend on (Note [The first call's work, earlier])."""
+    mtimes: list[int | None] = []
+    for entry in sys.path:
+        try:
+            mtimes.append(os.stat(entry or ".").st_mtime_ns)
+        except OSError:
+            mtimes.append(None)
+    return tuple(sys.path), tuple(map(id, sys.meta_path)), tuple(mtimes)
+
+
 def _settle() -> None:
     """Forget the scans made ahead of the first key if the search path changed since."""
     global _prewarmed
     state, _prewarmed = _prewarmed, None
     if state is None:
         return
-    from overmind_lab._loading.prewarm import site_state
-
     if state != site_state():
         for cached in (_installed_versions, _attention_packages, _torch_installed):
             cached.cache_clear()

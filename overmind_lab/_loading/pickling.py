@@ -603,11 +603,18 @@ def reduce_deferring(obj: Any, base: type, plan: WritePlan) -> Any:
         return None
     plan.classes.extend(nested.classes)
     kind = "pickle" if base is pickle.Pickler else "dill"
-    held = deferred.Deferred(file.getvalue(), kind)
+    held = deferred.Deferred(file.getvalue(), kind, load_nested, rebuild_deferred)
     # In the attribute's place: the dictionary keeps a plain load's order (``deferred.complete``)
     rest = {(deferred.MARKER if k == deferred.NAMES[0] else k):
             (held if k == deferred.NAMES[0] else v) for k, v in state.items()}
     return (copyreg.__newobj__, (type(obj),), rest)  # type: ignore[attr-defined]
+
+
+def rebuild_deferred(blob: bytes, kind: str) -> Any:
+    """A ``Deferred`` from the stream, the class's side installed (``deferred.install``)."""
+    deferred = _deferred()
+    deferred.install()
+    return deferred.Deferred(blob, kind, load_nested, rebuild_deferred)
 
 
 def load_nested(blob: bytes, kind: str) -> Any:

@@ -13,8 +13,8 @@ the work).
   could miss a package installed between the import and the first call. So the thread records the
   search path's state (``sys.path``, ``sys.meta_path`` and the ``mtime`` of each folder on the path,
   which an install changes by adding its ``.dist-info``) *before* scanning, and the first key
-  compares it (``settle``: ~20 µs): on any difference the caches are emptied and that key scans
-  afresh, exactly as without the thread.
+  compares it (``keys._settle``: ~20 µs): on any difference the caches are emptied and that key
+  scans afresh, exactly as without the thread.
 - A fork while the thread imports would leave a module lock held in the child by a thread that does
   not exist there (a later import of that module hangs). A fork first waits for the thread
   (``os.register_at_fork``; it runs before the interpreter takes its import lock). The processes
@@ -26,7 +26,6 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from typing import Any
 
 _thread: threading.Thread | None = None
 
@@ -70,14 +69,3 @@ def _run() -> None:
         keys.prewarm()
     except BaseException:  # noqa: BLE001 - the first call does it again, and says what fails
         pass
-
-
-def site_state() -> tuple[Any, ...]:
-    """What the installation scans depend on (the Note above)."""
-    mtimes: list[int | None] = []
-    for entry in sys.path:
-        try:
-            mtimes.append(os.stat(entry or ".").st_mtime_ns)
-        except OSError:
-            mtimes.append(None)
-    return tuple(sys.path), tuple(map(id, sys.meta_path)), tuple(mtimes)

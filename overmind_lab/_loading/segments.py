@@ -126,7 +126,7 @@ class Mapping:
     def pristine_equal(self, offset: int, nbytes: int, data: Any) -> bool:
         """Whether ``data`` equals the sealed bytes at ``offset`` (not our private copy)."""
         with mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as ro:
-            from overmind_lab import _native
+            import overmind_lab._native as _native
 
             view = memoryview(ro)[offset:offset + nbytes]
             try:
@@ -217,7 +217,7 @@ def find_mapping(address: int, nbytes: int) -> tuple[Mapping, int] | None:
 
 def prefault(mapping: Mapping) -> str:
     """Fault a mapping's pages in now (``MADV_POPULATE_READ`` where the kernel has it)."""
-    from overmind_lab import _native
+    import overmind_lab._native as _native
 
     view = memoryview(mapping.mm)
     try:
