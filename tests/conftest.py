@@ -203,3 +203,26 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
         yield mnt
     finally:
         subprocess.run(["umount", str(mnt)], check=True, timeout=60)
+
+
+def pip_install_project(project: Path, name: str, prefix: Path, *, editable: bool,
+                        timeout: float = 300) -> Path:
+    """Write ``project``'s ``pyproject.toml`` (setuptools, version 0.1) and ``pip install`` it
+    offline into ``prefix`` (again: a reinstall); returns its site-packages folder."""
+    (project / "pyproject.toml").write_text(textwrap.dedent(f"""
+        [build-system]
+        requires = ["setuptools"]
+        build-backend = "setuptools.build_meta"
+
+        [project]
+        name = "{name}"
+        version = "0.1"
+    """))
+    pip = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
+         "--no-build-isolation", "--disable-pip-version-check", "--force-reinstall",
+         "--prefix", str(prefix), *(["-e"] if editable else []), str(project)],
+        capture_output=True, text=True, timeout=timeout, cwd=project.parent)
+    assert pip.returncode == 0, pip.stderr
+    [site_dir] = prefix.glob("lib/python*/site-packages")
+    return site_dir

@@ -292,6 +292,10 @@ def _hub_signature(repo_id: str, revision: Any) -> dict[str, Any]:
 #   installed distribution (Note [Regular code] in ``user_code``)         -> user_code.code_of
 # Handled otherwise: the user's classes in the result (their digests are in the entry; a hit with
 # other code is a miss that replaces it: Note [Code that changed under an entry] in ``load``);
+# everything else the cold load read or ran, observed while it ran: files and folders outside the
+# source (a config folder passed by path, a hub cache's ``refs/main``), the user's modules it
+# imported or that the result's modules import (a helper), installed distributions' ``RECORD``
+# (Note [What a load depends on] in ``manifest``, checked on every hit as the classes are);
 # random generators (a load that draws is not cached: Note [Loads that draw random numbers]);
 # warnings and log records (replayed); side effects on arguments (not repeated); ``torch.backends``
 # flags (they act when a model runs, not when it is built).

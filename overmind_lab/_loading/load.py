@@ -27,7 +27,7 @@ from overmind_lab._errors import (
     VerifyMismatch,
 )
 from overmind_lab._loading import keys as _keys
-from overmind_lab._loading import observe, user_code
+from overmind_lab._loading import manifest, observe, user_code
 from overmind_lab._loading.client import Client, Session
 from overmind_lab._loading.pickling import (
     WritePlan,
@@ -65,6 +65,8 @@ if TYPE_CHECKING:
         code: NotRequired[dict[str, str]]
         #: torch's hook counter before and after the load, if hooks (Note [Hook ids] in pickling)
         hooks: NotRequired[list[int]]
+        #: what the load read and ran (Note [What a load depends on] in ``manifest``)
+        deps: NotRequired[dict[str, list[list[Any]]]]
 else:
     # A ``TypedDict`` costs ~0.5 ms to define (``typing`` compiles every field's annotation into a
     # ``ForwardRef``), on a fresh process's first hit: Note [A first call's imports].
@@ -296,7 +298,7 @@ def _load_with(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
     # session releases the lease.
     rng_before = observe.snapshot()
     counter_before = hook_counter()
-    with observe.Capture() as capture:
+    with observe.Capture() as capture, manifest.Recorder() as watched:
         result = _plain(fn, args, kwargs)
     cold = time.perf_counter() - start
     taken = (counter_before, hook_counter())  # Note [Hook ids] in ``pickling``
@@ -317,7 +319,8 @@ def _load_with(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
 
     if background.wanted(result):
         def store() -> None:
-            _store(session, info, result, cold, components, capture.observed, taken)
+            _store(session, info, result, cold, components, capture.observed, taken,
+                   (watched, fn))
 
         if background.start(store, info.key, info.name, _report_background,
                             keep_fds=[session.chan.sock.fileno()]):
@@ -331,7 +334,7 @@ def _load_with(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
             return result
     failure: BaseException | None = None
     try:
-        _store(session, info, result, cold, components, capture.observed, taken)
+        _store(session, info, result, cold, components, capture.observed, taken, (watched, fn))
     except Exception as exc:  # noqa: BLE001 - Note [Never worse than plain]
         failure = exc
     if failure is not None:
@@ -354,7 +357,8 @@ class _CodeChanged(Exception):
 
 # Note [Code that changed under an entry]: the key holds the loader's code, not the code of the
 # result's classes (known only after the load): the entry records their digests
-# (``user_code.graph_code``, ``Meta.code``) and a hit compares them with this process's code first.
+# (``user_code.graph_code``, ``Meta.code``) and what the load read and ran (``Meta.deps``: Note
+# [What a load depends on] in ``manifest``), and a hit compares both with this process first.
 # If they differ, the key is looked up again with ``refresh`` (as ``refreshing()``), which takes the
 # lease although an entry exists; the load's store replaces the entry. If another process refreshed
 # it meanwhile with code that differs too (two processes running different code under one key), this
@@ -366,8 +370,9 @@ def _lookup(session: Session,
     entry, fds = session.lookup(info.key, refresh=bool(_state.refresh))
     stale: str | None = None
     for again in (False, True):
-        recorded = cast(Meta, entry["meta"]).get("code") if entry is not None else None
-        why = user_code.changed(recorded)
+        meta = cast(Meta, entry["meta"]) if entry is not None else None
+        why = None if meta is None else (user_code.changed(meta.get("code"))
+                                         or manifest.changed(meta.get("deps")))
         if why is None:
             return entry, fds, stale
         stale = why
@@ -480,8 +485,10 @@ def _verify(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any
 
 def _store(session: Session, info: _keys.KeyInfo, result: Any, cold: float,
            components: dict[str, Any], observed: observe.Observed,
-           hooks_taken: tuple[int, int]) -> None:
-    """Park ``result`` in a new segment (Note [Never worse than plain])."""
+           hooks_taken: tuple[int, int],
+           watched: tuple[manifest.Recorder, Callable[..., Any]]) -> None:
+    """Park ``result`` in a new segment (Note [Never worse than plain]); ``watched``: the cold
+    load's recorder and loader (Note [What a load depends on] in ``manifest``)."""
     from overmind_lab._errors import ProtocolError
     from overmind_lab._loading.sources import SourceFile, SourceMap  # stores only
 
@@ -489,6 +496,7 @@ def _store(session: Session, info: _keys.KeyInfo, result: Any, cold: float,
     by_id = {id(v): k for k, v in components.items()}
     stream, plan, kind = dump(result, by_id, sources=SourceMap())
     code = user_code.graph_code(plan.classes)  # Note [Code that changed under an entry]
+    deps = manifest.build(watched[0], plan.classes, watched[1], info.source)
     try:
         linked = _link_sources(session, info.key, plan)
         if len(linked) < len(plan.files):  # some cannot be linked: copy their storages
@@ -520,6 +528,8 @@ def _store(session: Session, info: _keys.KeyInfo, result: Any, cold: float,
                   "buffers": plan.buffers, "observed": observed.to_json()}
     if code:
         meta["code"] = code
+    if deps:
+        meta["deps"] = deps
     if plan.hooks:
         meta["hooks"] = list(hooks_taken)
     session.store({

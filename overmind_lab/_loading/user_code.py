@@ -276,8 +276,11 @@ def _in_hf_modules(path: str) -> bool:
 def _matches_source(module: types.ModuleType, path: str) -> bool:
     try:
         with open(path, "rb") as f:
-            compiled = compile(f.read(), path, "exec", dont_inherit=True)
+            source = f.read()
+        compiled = compile(source, path, "exec", dont_inherit=True)
     except (OSError, SyntaxError, ValueError):
+        return False
+    if not _constants_match(module, source, path):
         return False
     known: set[types.CodeType] = set()
     stack = [compiled]
@@ -287,6 +290,38 @@ def _matches_source(module: types.ModuleType, path: str) -> bool:
         stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
     for code in _module_codes(module, path):
         if code not in known:
+            return False
+    return True
+
+
+def _constants_match(module: types.ModuleType, source: bytes, path: str) -> bool:
+    """Whether each module-level name the file binds once to a literal (``WIDTH = 4``) still has
+    that value in ``module``: a constant edited after the import changes no code object."""
+    try:
+        tree = ast.parse(source, path)
+    except (SyntaxError, ValueError):
+        return False
+    bound: dict[str, list[ast.expr]] = {}
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else (
+            [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
+        value = getattr(node, "value", None)
+        for target in targets:
+            if isinstance(target, ast.Name):
+                bound.setdefault(target.id, []).append(
+                    value if isinstance(node, (ast.Assign, ast.AnnAssign)) and value is not None
+                    else ast.Constant(value=...))
+    state = vars(module)
+    for name, values in bound.items():
+        if len(values) != 1 or name not in state:
+            continue
+        try:
+            literal = ast.literal_eval(values[0])
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            continue  # not a literal: its code is compared above
+        if literal is ...:
+            continue  # bound by ``+=`` or without a value
+        if type(literal) is not type(state[name]) or literal != state[name]:
             return False
     return True
 
@@ -377,7 +412,7 @@ def _hash_object(obj: Any, h: Any, seen: set[int]) -> None:
     if isinstance(obj, type):
         h.update(f"class {obj.__qualname__}{[b.__qualname__ for b in obj.__bases__]}" .encode())
         for name in sorted(vars(obj)):
-            if name in ("__dict__", "__weakref__", "__module__", "__doc__", "__qualname__"):
+            if name in _NOT_THE_CLASS:
                 continue
             value = vars(obj)[name]
             h.update(f"\0{name}=".encode())
@@ -385,20 +420,27 @@ def _hash_object(obj: Any, h: Any, seen: set[int]) -> None:
                 _hash_object(value, h, seen)
             elif isinstance(value, property):
                 for part in (value.fget, value.fset, value.fdel):
-                    _hash_function(part, h)
+                    _hash_function(part, h, seen)
             elif _function_of(value) is not None:
-                _hash_function(_function_of(value), h)
+                _hash_function(_function_of(value), h, seen)
             else:
                 h.update(_plain_repr(value).encode())
         return
     func = _function_of(obj)
     if func is not None:
-        _hash_function(func, h)
+        _hash_function(func, h, seen)
     else:
         h.update(_plain_repr(obj).encode())
 
 
-def _hash_function(func: Any, h: Any) -> None:
+#: What a class's digest leaves out: what Python and the libraries add to a class after it is
+#: defined (``copyreg`` caches ``__slotnames__`` on it at the first pickle, ``abc`` its cache), so
+#: that a digest taken after a load equals one taken before (a class in a cell stays warm).
+_NOT_THE_CLASS = frozenset({"__dict__", "__weakref__", "__module__", "__doc__", "__qualname__",
+                            "__slotnames__", "_abc_impl", "__abstractmethods__"})
+
+
+def _hash_function(func: Any, h: Any, seen: set[int]) -> None:
     func = _function_of(func)
     if func is None:
         h.update(b"-")
@@ -409,6 +451,38 @@ def _hash_function(func: Any, h: Any) -> None:
         except Exception:  # noqa: BLE001 - no source (OSError), or none inspect can parse
             _hash_code(inner.__code__, h)
         h.update(_plain_repr((inner.__defaults__, inner.__kwdefaults__)).encode())
+        _hash_globals(inner, h, seen)
+
+
+# Note [Globals a cell's code reads]: a method of a class in a cell (or ``python -c``) that reads a
+# global set in another cell (``WIDTH = 4``, ``ACT = nn.GELU``) builds another object when that
+# cell changes, with the class's source unchanged. So the digest of code without a file includes
+# each global its code objects name (``co_names``, nested code too) that the function's globals
+# hold: plain values by ``repr``, classes and functions by name, or by their own digest where they
+# are code without a file too (a factory in a cell), modules by name, objects by their type and
+# plain attributes. A name that is an attribute, not a global, only adds a value that must stay the
+# same for a hit: a miss too many, never a stale hit.
+def _hash_globals(func: types.FunctionType, h: Any, seen: set[int]) -> None:
+    names: set[str] = set()
+    stack = [func.__code__]
+    while stack:
+        code = stack.pop()
+        names.update(code.co_names)
+        stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    scope = func.__globals__
+    for name in sorted(names):
+        if name not in scope or name.startswith("__"):
+            continue
+        value = scope[name]
+        h.update(f"\0global {name}=".encode())
+        if isinstance(value, types.ModuleType):
+            h.update(f"module {value.__name__}".encode())
+        elif (isinstance(value, type) or _function_of(value) is not None) and \
+                sys.modules.get(getattr(value, "__module__", None) or "") is not None and \
+                _module_file(sys.modules[value.__module__]) is None:
+            _hash_object(value, h, seen)  # code without a file, as its reader
+        else:
+            h.update(_plain_repr(value).encode())
 
 
 def _hash_code(code: types.CodeType, h: Any) -> None:
@@ -423,18 +497,37 @@ def _hash_code(code: types.CodeType, h: Any) -> None:
             h.update(_plain_repr(const).encode())
 
 
-def _plain_repr(value: Any) -> str:
-    """``repr`` of plain values (sets sorted: their order is salted); the type otherwise."""
+#: Containers larger than this enter a digest by their type and length only.
+_PLAIN_ITEMS = 1000
+
+
+def _plain_repr(value: Any, depth: int = 0) -> str:
+    """``repr`` of plain values (sets sorted: their order is salted); classes and functions by
+    name; an object by its type and its plain attributes; the type otherwise."""
     if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
         return repr(value)
+    if isinstance(value, type) or isinstance(value, (types.FunctionType,
+                                                     types.BuiltinFunctionType)):
+        return f"<{type(value).__name__} {getattr(value, '__module__', None)}." \
+               f"{getattr(value, '__qualname__', '?')}>"
+    kind = f"<{type(value).__module__}.{type(value).__qualname__}>"
+    if depth > 4:
+        return kind
+    if isinstance(value, (tuple, list, set, frozenset, dict)) and len(value) > _PLAIN_ITEMS:
+        return f"{kind}[{len(value)}]"
     if isinstance(value, (tuple, list)):
-        return f"{type(value).__name__}({','.join(_plain_repr(v) for v in value)})"
+        return f"{type(value).__name__}({','.join(_plain_repr(v, depth + 1) for v in value)})"
     if isinstance(value, (set, frozenset)):
-        return f"set({','.join(sorted(_plain_repr(v) for v in value))})"
+        return f"set({','.join(sorted(_plain_repr(v, depth + 1) for v in value))})"
     if isinstance(value, dict):
-        items = sorted(f"{_plain_repr(k)}:{_plain_repr(v)}" for k, v in value.items())
+        items = sorted(f"{_plain_repr(k, depth + 1)}:{_plain_repr(v, depth + 1)}"
+                       for k, v in value.items())
         return f"dict({','.join(items)})"
-    return f"<{type(value).__module__}.{type(value).__qualname__}>"
+    state = getattr(value, "__dict__", None)
+    if type(state) is dict and type(value).__module__ in ("types", "argparse", "__main__") \
+            and len(state) <= _PLAIN_ITEMS:  # a namespace of settings
+        return f"{kind}{_plain_repr(state, depth + 1)}"
+    return kind
 
 
 # -- what enters keys and entries ----------------------------------------------------------
