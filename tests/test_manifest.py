@@ -29,6 +29,8 @@ from overmind_lab._errors import NotCacheable
 from overmind_lab._loading import manifest, user_code
 from tests.conftest import pip_install_project
 
+pytestmark = pytest.mark.slow  # real processes: `make test`, not `make test-fast`
+
 TIMEOUT = 300
 
 
@@ -397,3 +399,71 @@ def test_a_package_reinstalled_with_the_same_version(daemon: Client, tmp_path: P
     again = run_script(tmp_path, cwd=tmp_path, args=argv)
     assert again[:2] == ["cold", "two"], again
     assert run_script(tmp_path, cwd=tmp_path, args=argv)[:2] == ["warm", "two"]
+
+
+CUSTOM_PIPELINE = """
+from diffusers import StableDiffusionPipeline
+
+
+class MfPipe(StableDiffusionPipeline):
+    MARK = {mark}
+"""
+
+CUSTOM_LOAD = """
+import json, sys, overmind_lab
+from diffusers import DiffusionPipeline
+with overmind_lab.record_loads() as events:
+    pipe = overmind_lab.load(DiffusionPipeline.from_pretrained, sys.argv[1],
+                             custom_pipeline=sys.argv[2], trust_remote_code=True)
+print(json.dumps([events[-1].outcome, type(pipe).__name__, type(pipe).MARK,
+                  events[-1].reason]))
+"""
+
+
+def test_a_local_custom_pipeline_edit_loop(daemon: Client, tmp_path: Path) -> None:
+    """diffusers copies ``custom_pipeline``'s ``pipeline.py`` into its modules cache: the copy
+    the load read is the dependency, not the module it imported."""
+    import torch
+
+    from benchmarks import models
+
+    pipeline = models.build_sd15_pipeline(tmp_path / "sd15", dtype=torch.float32, tiny=True)
+    custom = tmp_path / "custom"
+    custom.mkdir()
+    (custom / "pipeline.py").write_text(CUSTOM_PIPELINE.format(mark=1))
+    (tmp_path / "load.py").write_text(CUSTOM_LOAD)
+    argv = (str(tmp_path / "load.py"), str(pipeline), str(custom))
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    assert run_script(tmp_path, cwd=tmp_path, args=argv, env=env)[:3] == ["cold", "MfPipe", 1]
+    assert run_script(tmp_path, cwd=tmp_path, args=argv, env=env)[:3] == ["warm", "MfPipe", 1]
+    (custom / "pipeline.py").write_text(CUSTOM_PIPELINE.format(mark=2))
+    edited = run_script(tmp_path, cwd=tmp_path, args=argv, env=env)
+    assert edited[:3] == ["cold", "MfPipe", 2] and "pipeline.py changed" in edited[3]
+    assert run_script(tmp_path, cwd=tmp_path, args=argv, env=env)[:3] == ["warm", "MfPipe", 2]
+
+
+TEXT_LOAD = """
+import json, sys, overmind_lab
+from transformers import LlamaForCausalLM
+out = []
+for text in sys.argv[1:]:
+    with overmind_lab.record_loads() as events:
+        model = overmind_lab.load(LlamaForCausalLM.from_pretrained, text)
+    out.append([events[-1].outcome, model.config._name_or_path, model.name_or_path])
+print(json.dumps(out))
+"""
+
+
+def test_the_result_records_the_callers_own_text(daemon: Client, tmp_path: Path) -> None:
+    """Note [The caller's own text]: a relative path, a symlink and a trailing slash each give
+    the result a plain load gives for that text."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(**LLAMA)).save_pretrained(tmp_path / "llama")
+    (tmp_path / "link").symlink_to(tmp_path / "llama")
+    (tmp_path / "load.py").write_text(TEXT_LOAD)
+    texts = ["llama", str(tmp_path / "link"), "llama/", str(tmp_path / "llama")]
+    argv = (str(tmp_path / "load.py"), *texts)
+    first = run_script(tmp_path, cwd=tmp_path, args=argv)
+    assert first == [["cold", t, t] for t in texts]
+    assert run_script(tmp_path, cwd=tmp_path, args=argv) == [["warm", t, t] for t in texts]

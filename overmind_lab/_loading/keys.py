@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["KeyInfo", "make_key", "key_of", "remember", "FORMAT_VERSION"]
 
 #: Bump when the stored layout changes: old entries then simply miss.
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 MAX_SOURCE_FILES = 20000
 _SOURCE_PARAMS = ("pretrained_model_name_or_path", "pretrained_model_link_or_path",
                   "path", "model_path")
@@ -468,7 +468,11 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
             sig_ = _source_signature(source)
             if "hub" in sig_:
                 sig_ = _hub_signature(source, bound.arguments.get("revision"))
-            normalized[pname] = {"source": sig_}
+            # Note [The caller's own text]: the loaders record the argument as the caller wrote
+            # it (``config._name_or_path``, a tokenizer's ``name_or_path``): a relative path, a
+            # symlink, a trailing slash build another object than the resolved path, so the text
+            # is keyed beside the signature of what it names.
+            normalized[pname] = {"source": sig_, "text": source}
             if "local" in sig_:
                 source = sig_["local"]
                 local_signature = sig_
