@@ -26,8 +26,8 @@ from overmind_lab._errors import (
     OvermindWarning,
     VerifyMismatch,
 )
+from overmind_lab._loading import effects, manifest, observe, user_code
 from overmind_lab._loading import keys as _keys
-from overmind_lab._loading import manifest, observe, user_code
 from overmind_lab._loading.client import Client, Session
 from overmind_lab._loading.pickling import (
     WritePlan,
@@ -67,6 +67,8 @@ if TYPE_CHECKING:
         hooks: NotRequired[list[int]]
         #: what the load read and ran (Note [What a load depends on] in ``manifest``)
         deps: NotRequired[dict[str, list[list[Any]]]]
+        #: registrations to repeat (Note [Registrations a load makes] in ``effects``)
+        effects: NotRequired[dict[str, list[list[Any]]]]
 else:
     # A ``TypedDict`` costs ~0.5 ms to define (``typing`` compiles every field's annotation into a
     # ``ForwardRef``), on a fresh process's first hit: Note [A first call's imports].
@@ -298,7 +300,7 @@ def _load_with(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
     # session releases the lease.
     rng_before = observe.snapshot()
     counter_before = hook_counter()
-    with observe.Capture() as capture, manifest.Recorder() as watched:
+    with observe.Capture() as capture, manifest.Recorder() as watched, effects.Watch() as done:
         result = _plain(fn, args, kwargs)
     cold = time.perf_counter() - start
     taken = (counter_before, hook_counter())  # Note [Hook ids] in ``pickling``
@@ -320,7 +322,7 @@ def _load_with(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
     if background.wanted(result):
         def store() -> None:
             _store(session, info, result, cold, components, capture.observed, taken,
-                   (watched, fn))
+                   (watched, fn, done))
 
         if background.start(store, info.key, info.name, _report_background,
                             keep_fds=[session.chan.sock.fileno()]):
@@ -334,7 +336,8 @@ def _load_with(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
             return result
     failure: BaseException | None = None
     try:
-        _store(session, info, result, cold, components, capture.observed, taken, (watched, fn))
+        _store(session, info, result, cold, components, capture.observed, taken,
+               (watched, fn, done))
     except Exception as exc:  # noqa: BLE001 - Note [Never worse than plain]
         failure = exc
     if failure is not None:
@@ -418,6 +421,7 @@ def _hit(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
     rebuild_error: BaseException | None = None
     try:
         obj = _rebuild(entry, fds, components)
+        effects.replay(entry["meta"].get("effects"))
     except Exception as exc:  # noqa: BLE001 - any rebuild failure means: load it
         rebuild_error = exc
     if rebuild_error is not None:  # Note [Never worse than plain]
@@ -486,9 +490,10 @@ def _verify(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any
 def _store(session: Session, info: _keys.KeyInfo, result: Any, cold: float,
            components: dict[str, Any], observed: observe.Observed,
            hooks_taken: tuple[int, int],
-           watched: tuple[manifest.Recorder, Callable[..., Any]]) -> None:
+           watched: tuple[manifest.Recorder, Callable[..., Any], effects.Watch]) -> None:
     """Park ``result`` in a new segment (Note [Never worse than plain]); ``watched``: the cold
-    load's recorder and loader (Note [What a load depends on] in ``manifest``)."""
+    load's recorder, loader and registrations (Note [What a load depends on] in ``manifest``,
+    Note [Registrations a load makes] in ``effects``)."""
     from overmind_lab._errors import ProtocolError
     from overmind_lab._loading.sources import SourceFile, SourceMap  # stores only
 
@@ -497,6 +502,7 @@ def _store(session: Session, info: _keys.KeyInfo, result: Any, cold: float,
     stream, plan, kind = dump(result, by_id, sources=SourceMap())
     code = user_code.graph_code(plan.classes)  # Note [Code that changed under an entry]
     deps = manifest.build(watched[0], plan.classes, watched[1], info.source)
+    made = watched[2].record(plan.classes)
     try:
         linked = _link_sources(session, info.key, plan)
         if len(linked) < len(plan.files):  # some cannot be linked: copy their storages
@@ -530,6 +536,8 @@ def _store(session: Session, info: _keys.KeyInfo, result: Any, cold: float,
         meta["code"] = code
     if deps:
         meta["deps"] = deps
+    if made:
+        meta["effects"] = made
     if plan.hooks:
         meta["hooks"] = list(hooks_taken)
     session.store({

@@ -29,7 +29,8 @@ __all__ = ["Recorder", "build", "changed"]
 # Note [What a load depends on]: the manifest lists, each with the signature it had when stored:
 # - files: every file the cold load opened for reading (the audit event ``open``: ``open``,
 #   ``io.open_code``, ``os.open``), and folders it listed (``os.listdir``, ``os.scandir``, not the
-#   import system's own listings), outside the source folder (the key signs that whole tree),
+#   import system's own listings nor ``sys.path``'s folders: a script's folder changes with every
+#   file saved beside it, and ``importlib.metadata`` lists it for each ``version()``), outside the source folder (the key signs that whole tree),
 #   outside the standard library and site folders (their distributions stand for them), and
 #   outside ``/proc``, ``/sys``, ``/dev``;
 # - modules: every module of the user's (Note [Regular code] in ``user_code``) that the load
@@ -52,6 +53,10 @@ DIGEST_LIMIT = 16 << 20
 #: More than this many dependencies of one kind: the load is not cached (a load that walks a tree).
 MAX_DEPENDENCIES = 2000
 _SKIPPED_PREFIXES = ("/proc/", "/sys/", "/dev/")
+#: Callers whose listings are the import system's, not the load's: finders filling their caches,
+#: ``importlib.metadata`` looking for distributions along ``sys.path`` (``version()``).
+_IMPORT_SYSTEM = ("<frozen importlib", "<frozen zipimport")
+_IMPORTLIB = f"{os.sep}importlib{os.sep}"
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
 #: the recorders now running (any thread): the audit hook's only state
@@ -79,8 +84,8 @@ def _audit(event: str, args: tuple[Any, ...]) -> None:
         elif event in ("os.listdir", "os.scandir"):
             path = args[0]
             caller = sys._getframe(1).f_code.co_filename
-            if caller.startswith("<frozen importlib"):  # the import system's cache of a folder
-                return
+            if caller.startswith(_IMPORT_SYSTEM) or _IMPORTLIB in caller:
+                return  # the import system's cache of a folder, importlib.metadata's searches
             target = "dirs"
         else:
             return
@@ -201,8 +206,9 @@ def build(recorder: Recorder, classes: Iterable[Any], loader: Callable[..., Any]
     real = {os.path.realpath(p): None for p in recorder.files}
     files = [r for p in real if not _skipped(p, roots) and (r := _record(p)) is not None
              and os.path.isfile(p)]
+    search = {os.path.realpath(p or ".") for p in sys.path}  # what imports list, not loads
     dirs = [r for p in {os.path.realpath(p): None for p in recorder.dirs}
-            if not _skipped(p + os.sep, roots) and os.path.isdir(p)
+            if p not in search and not _skipped(p + os.sep, roots) and os.path.isdir(p)
             and (r := _record(p, is_dir=True)) is not None]
     anchors = {getattr(c, "__module__", None) for c in classes}
     if loader is not None:
