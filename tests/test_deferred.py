@@ -44,9 +44,10 @@ def _warm(path: Path) -> Any:
 
 def test_a_warm_tokenizer_is_built_on_first_use(daemon: Client, clip_dir: Path) -> None:
     plain, warm = _plain(clip_dir), _warm(clip_dir)
-    assert deferred.MARKER in vars(warm) and "_tokenizer" not in vars(warm)
+    assert deferred.pending(warm) and type(vars(warm)["_tokenizer"]) is deferred.Deferred
+    assert list(vars(warm)) == list(vars(plain))  # the attribute in its place already
     assert warm(TEXT).input_ids == plain(TEXT).input_ids
-    assert deferred.MARKER not in vars(warm)
+    assert not deferred.pending(warm)
     assert list(vars(warm)) == list(vars(plain))  # the same attributes, in the same order
     assert warm.decode(warm(TEXT).input_ids) == plain.decode(plain(TEXT).input_ids)
     assert compare(warm, plain) is None
@@ -114,7 +115,29 @@ def test_a_value_set_before_first_use_stays(daemon: Client, clip_dir: Path) -> N
     warm._tokenizer = other
     assert warm.backend_tokenizer is other
     copy.copy(warm)  # completes it
-    assert deferred.MARKER not in vars(warm) and warm.backend_tokenizer is other
+    assert not deferred.pending(warm) and warm.backend_tokenizer is other
+
+
+def test_its_dictionary_and_del_before_first_use_are_a_plain_loads(
+        daemon: Client, clip_dir: Path) -> None:
+    """A reference to ``__dict__`` taken before the first read sees the build and keeps what is
+    written through it; ``del`` of the attribute before the first read works as on a plain
+    load (the class's ``None`` afterwards)."""
+    plain, warm = _plain(clip_dir), _warm(clip_dir)
+    state = warm.__dict__
+    state["user_note"] = "kept"
+    assert warm(TEXT).input_ids == plain(TEXT).input_ids  # built on this read
+    assert warm.__dict__ is state and state["user_note"] == "kept"
+    assert state["_tokenizer"] is warm.backend_tokenizer
+    gone, plain_gone = _warm(clip_dir), _plain(clip_dir)
+    del gone._tokenizer
+    del plain_gone._tokenizer
+    assert gone._tokenizer is None and plain_gone._tokenizer is None
+    assert list(vars(gone)) == list(vars(plain_gone))
+    with pytest.raises(AttributeError):
+        del gone._tokenizer
+    with pytest.raises(AttributeError):
+        del plain_gone._tokenizer
 
 
 @pytest.mark.parametrize("hold", ["backend", "decode"])
@@ -128,7 +151,7 @@ def test_a_tokenizer_held_elsewhere_is_pickled_in_place(daemon: Client, clip_dir
         warm = overmind_lab.load(tokenizer_held_twice, str(clip_dir), hold)
     assert events[-1].outcome == "warm"
     tok = warm["tok"]
-    assert deferred.MARKER not in vars(tok)
+    assert not deferred.pending(tok)
     backend = tok._tokenizer
     assert warm["other"] is (backend if hold == "backend" else backend.decode)
 

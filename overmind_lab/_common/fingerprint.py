@@ -223,9 +223,8 @@ class _Walker:
     def instance(self, obj: Any, path: str, depth: int) -> None:
         cls = type(obj)
         state = getattr(obj, "__dict__", None)
-        if isinstance(state, dict) and _DEFERRED in state:  # the attributes a plain load has
-            state[_DEFERRED].complete(obj)
-            state = obj.__dict__
+        if isinstance(state, dict) and _deferred(state):  # the attributes a plain load has
+            _deferred(state).complete(obj)
         slots = _slots(cls)
         if not isinstance(state, dict) and (not slots or _custom_reduce(cls)):
             # what pickle saves: e.g. a path by its text, not its lazily filled caches
@@ -423,9 +422,13 @@ class _Walker:
         self.facts(f"{path} tokenizer", probes)
 
 
-#: ``_loading.deferred.MARKER``: an object with attributes still to build (not imported: this
-#: module runs in processes that never load)
-_DEFERRED = "_overmind_lab_deferred"
+def _deferred(state: dict[str, Any]) -> Any:
+    """The ``_loading.deferred.Deferred`` among an object's attributes, still to build, or ``None``
+    (not imported: this module runs in processes that never load)."""
+    value = state.get("_tokenizer")  # ``deferred.NAMES``
+    kind = type(value)
+    return value if kind.__name__ == "Deferred" and kind.__module__.endswith("._loading.deferred") \
+        else None
 
 
 def _child(path: str, name: str) -> str:

@@ -175,7 +175,7 @@ def normalize(value: Any, where: str, _seen: tuple[int, ...] = ()) -> Any:
 def _complete_state(value: Any, where: str, seen: tuple[int, ...]) -> Any:
     """Every attribute of a config-like object, canonical (see :func:`normalize`)."""
     state = getattr(value, "__dict__", None)
-    if isinstance(state, dict) and deferred.MARKER in state:
+    if deferred.pending(value):
         deferred.complete(value)  # the state a plain load's object has
         state = value.__dict__
     if not isinstance(state, dict):

@@ -30,9 +30,9 @@ __all__ = ["Recorder", "build", "changed"]
 # - files: every file the cold load opened for reading (the audit event ``open``: ``open``,
 #   ``io.open_code``, ``os.open``), and folders it listed (``os.listdir``, ``os.scandir``, not the
 #   import system's own listings nor ``sys.path``'s folders: a script's folder changes with every
-#   file saved beside it, and ``importlib.metadata`` lists it for each ``version()``), outside the source folder (the key signs that whole tree),
-#   outside the standard library and site folders (their distributions stand for them), and
-#   outside ``/proc``, ``/sys``, ``/dev``;
+#   file saved beside it, and ``importlib.metadata`` lists it for each ``version()``), outside the
+#   source folder (the key signs that whole tree), outside the standard library and site folders
+#   (their distributions stand for them), and outside ``/proc``, ``/sys``, ``/dev``;
 # - modules: every module of the user's (Note [Regular code] in ``user_code``) that the load
 #   imported, or that the result's classes or the loader come from, and transitively what those
 #   import (by their ``import`` statements and by the modules their globals come from): a helper

@@ -604,9 +604,8 @@ def reduce_deferring(obj: Any, base: type, plan: WritePlan) -> Any:
     plan.classes.extend(nested.classes)
     kind = "pickle" if base is pickle.Pickler else "dill"
     held = deferred.Deferred(file.getvalue(), kind, load_nested, rebuild_deferred)
-    # In the attribute's place: the dictionary keeps a plain load's order (``deferred.complete``)
-    rest = {(deferred.MARKER if k == deferred.NAMES[0] else k):
-            (held if k == deferred.NAMES[0] else v) for k, v in state.items()}
+    # The attribute's value: the dictionary keeps a plain load's order (``deferred.complete``)
+    rest = {k: (held if k == deferred.NAMES[0] else v) for k, v in state.items()}
     return (copyreg.__newobj__, (type(obj),), rest)  # type: ignore[attr-defined]
 
 
