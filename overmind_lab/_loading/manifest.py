@@ -17,6 +17,7 @@ import importlib.util
 import os
 import sys
 import threading
+import time
 import types
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -140,10 +141,10 @@ def _identity(st: os.stat_result) -> list[int]:
 _digests: dict[tuple[str, tuple[int, ...]], str] = {}
 
 
-def _content_digest(path: str, ident: list[int], is_dir: bool) -> str:
-    cached = _digests.get((path, tuple(ident)))
-    if cached is not None:
-        return cached
+def _content_digest(path: str, ident: list[int], is_dir: bool, cached: bool = True) -> str:
+    found = _digests.get((path, tuple(ident))) if cached else None
+    if found is not None:
+        return found
     h = hashlib.sha256()
     if is_dir:
         h.update("\0".join(sorted(os.listdir(path))).encode("utf-8", "surrogateescape"))
@@ -155,6 +156,13 @@ def _content_digest(path: str, ident: list[int], is_dir: bool) -> str:
     return digest
 
 
+# Note [Racy signatures]: a file written twice within one timestamp tick (a few ms before Linux
+# 6.13), in place, to the same size, keeps its signature. As git does for its index ("racy git"),
+# a file changed less than ``RACY_NS`` before its signature was taken is marked (its digest starts
+# with ``!``) and its content is compared on every hit, whatever its signature says.
+RACY_NS = 2 * 10**9
+
+
 def _record(path: str, is_dir: bool = False) -> list[Any] | None:
     """``[path, identity, digest or None]`` of a file or folder, ``None`` if it is gone."""
     try:
@@ -164,10 +172,12 @@ def _record(path: str, is_dir: bool = False) -> list[Any] | None:
     ident = _identity(st)
     digest = None
     if is_dir or st.st_size <= DIGEST_LIMIT:
+        racy = time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) < RACY_NS
         try:
-            digest = _content_digest(path, ident, is_dir)
+            digest = _content_digest(path, ident, is_dir, cached=not racy)
         except OSError:
             return None
+        digest = f"!{digest}" if racy else digest
     return [path, ident, digest]
 
 
@@ -178,12 +188,13 @@ def _differs(path: str, ident: list[int], digest: str | None, is_dir: bool = Fal
     except OSError:
         return f"{path} was removed"
     now = _identity(st)
-    if now == ident:
+    racy = digest is not None and digest.startswith("!")  # Note [Racy signatures]
+    if now == ident and not racy:
         return None
     if digest is None or (not is_dir and st.st_size != ident[2]):
         return f"{path} changed"
     try:
-        if _content_digest(path, now, is_dir) == digest:
+        if _content_digest(path, now, is_dir, cached=not racy) == digest.lstrip("!"):
             return None
     except OSError:
         return f"{path} cannot be read"
