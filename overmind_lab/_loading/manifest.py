@@ -214,7 +214,11 @@ def build(recorder: Recorder, classes: Iterable[Any], loader: Callable[..., Any]
     user's changed on disk after this process imported it (Note [A file changed under a running
     process] in ``user_code``)."""
     roots = (_root(source),) if source else ()
-    real = {os.path.realpath(p): None for p in recorder.files}
+    # What the standard library and site folders hold goes before any ``realpath`` (an import
+    # during the load opens hundreds of their files: ~50 µs each resolved).
+    regular = tuple(root for root, is_regular in user_code._roots() if is_regular)
+    real = {os.path.realpath(p): None for p in recorder.files
+            if not p.startswith(regular) and "/__pycache__/" not in p}
     files = [r for p in real if not _skipped(p, roots) and (r := _record(p)) is not None
              and os.path.isfile(p)]
     search = {os.path.realpath(p or ".") for p in sys.path}  # what imports list, not loads
