@@ -495,10 +495,12 @@ def _store(session: Session, info: _keys.KeyInfo, result: Any, cold: float,
     load's recorder, loader and registrations (Note [What a load depends on] in ``manifest``,
     Note [Registrations a load makes] in ``effects``)."""
     from overmind_lab._errors import ProtocolError
-    from overmind_lab._loading.sources import SourceFile, SourceMap  # stores only
+    from overmind_lab._loading import faithful  # stores only
+    from overmind_lab._loading.sources import SourceFile, SourceMap
 
     t0 = time.perf_counter()
     by_id = {id(v): k for k, v in components.items()}
+    faithful.check(result, by_id)  # Note [What pickling cannot carry]
     stream, plan, kind = dump(result, by_id, sources=SourceMap())
     code = user_code.graph_code(plan.classes)  # Note [Code that changed under an entry]
     deps = manifest.build(watched[0], plan.classes, watched[1], info.source)

@@ -339,7 +339,8 @@ def _set_module_state(module: Any, compact: tuple[Any, ...]) -> None:
 _SLOTS: dict[type, tuple[str, ...]] = {}
 
 
-def _module_slots(cls: type) -> tuple[str, ...]:
+def slot_names(cls: type) -> tuple[str, ...]:
+    """The slot names of ``cls`` and its bases (mangled), but ``__dict__`` and ``__weakref__``."""
     known = _SLOTS.get(cls)
     if known is not None:
         return known
@@ -360,14 +361,14 @@ def _module_slots(cls: type) -> tuple[str, ...]:
 def _slotted_module(cls: type) -> bool:
     import torch
 
-    return (issubclass(cls, torch.nn.Module) and bool(_module_slots(cls))
+    return (issubclass(cls, torch.nn.Module) and bool(slot_names(cls))
             and cls.__reduce_ex__ is object.__reduce_ex__
             and cls.__reduce__ is object.__reduce__)
 
 
 def reduce_slotted_module(module: Any) -> Any:
     slots = {}
-    for name in _module_slots(type(module)):
+    for name in slot_names(type(module)):
         try:
             slots[name] = object.__getattribute__(module, name)
         except AttributeError:
@@ -473,10 +474,9 @@ def set_hook_counter(value: int) -> None:
         hooks.RemovableHandle.next_id = value
 
 
-def renumber_hooks(obj: Any, start: int, taken: tuple[int, int]) -> None:
-    """Give a rebuilt object's hooks the ids a plain load here would (Note [Hook ids]): ``start`` is
-    this process's counter before unpickling, ``taken`` the storing process's before and after its
-    load."""
+def hook_owners(obj: Any) -> tuple[list[Any], list[Any]]:
+    """The modules and the hook handles reached from ``obj`` (dict values, list, tuple and set
+    items, ``__dict__`` values): what ``renumber_hooks`` renumbers."""
     import torch
     from torch.utils.hooks import RemovableHandle
 
@@ -501,6 +501,16 @@ def renumber_hooks(obj: Any, start: int, taken: tuple[int, int]) -> None:
         state = getattr(item, "__dict__", None)
         if isinstance(state, dict):
             stack.extend(state.values())
+    return modules, handles
+
+
+def renumber_hooks(obj: Any, start: int, taken: tuple[int, int]) -> None:
+    """Give a rebuilt object's hooks the ids a plain load here would (Note [Hook ids]): ``start`` is
+    this process's counter before unpickling, ``taken`` the storing process's before and after its
+    load."""
+    from torch.utils.hooks import RemovableHandle
+
+    modules, handles = hook_owners(obj)
     tables = [t for m in modules for t in (m.__dict__.get(n) for n in _HOOK_TABLES)
               if isinstance(t, dict) and t]
     before, after = taken
