@@ -226,3 +226,19 @@ def pip_install_project(project: Path, name: str, prefix: Path, *, editable: boo
     assert pip.returncode == 0, pip.stderr
     [site_dir] = prefix.glob("lib/python*/site-packages")
     return site_dir
+
+
+#: A Llama small enough to save and load in well under a second (random weights).
+TINY_LLAMA = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+
+
+def save_tiny_llama(path: Path, **config: Any) -> Path:
+    """A ``LlamaForCausalLM`` of :data:`TINY_LLAMA` (``config`` overrides) saved at ``path``,
+    seeded (the same weights each time)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, **config})).save_pretrained(path)
+    return path

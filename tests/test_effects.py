@@ -21,9 +21,7 @@ import pytest
 from overmind_lab import Client
 from overmind_lab._errors import NotCacheable
 from overmind_lab._loading import effects
-
-LLAMA = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+from tests.conftest import TINY_LLAMA
 
 
 def test_a_registration_is_recorded_and_replayed() -> None:
@@ -115,7 +113,7 @@ def test_a_warm_model_with_its_own_code_is_registered(daemon: Client, tmp_path: 
     env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
     (tmp_path / "save.py").write_text(SAVE)
     (tmp_path / "load.py").write_text(LOAD)
-    _run(str(tmp_path / "save.py"), str(tmp_path), str(tmp_path / "model"), json.dumps(LLAMA),
+    _run(str(tmp_path / "save.py"), str(tmp_path), str(tmp_path / "model"), json.dumps(TINY_LLAMA),
          cwd=tmp_path, env=env)
     code = ["configuration_ef.py", "modeling_ef.py"]
     expected = ["EfModel", "EfModel", "AutoModelForCausalLM", code]

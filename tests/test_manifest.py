@@ -27,7 +27,7 @@ import pytest
 from overmind_lab import Client
 from overmind_lab._errors import NotCacheable
 from overmind_lab._loading import manifest, user_code
-from tests.conftest import pip_install_project
+from tests.conftest import TINY_LLAMA, pip_install_project, save_tiny_llama
 
 pytestmark = pytest.mark.slow  # real processes: `make test`, not `make test-fast`
 
@@ -272,8 +272,6 @@ def test_a_model_split_over_three_files_edit_loop(daemon: Client, tmp_path: Path
     assert len(daemon.entries()) == 1  # replaced each time, one key
 
 
-LLAMA = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
 
 CONFIG_LOAD = """
 import json, sys, overmind_lab
@@ -285,15 +283,15 @@ print(json.dumps([events[-1].outcome, model.config.rms_norm_eps, events[-1].reas
 
 
 def test_a_config_folder_passed_by_path_edit_loop(daemon: Client, tmp_path: Path) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
-    LlamaForCausalLM(LlamaConfig(**LLAMA)).save_pretrained(tmp_path / "weights")
-    LlamaConfig(**LLAMA, rms_norm_eps=1e-5).save_pretrained(tmp_path / "conf")
+    save_tiny_llama(tmp_path / "weights")
+    LlamaConfig(**TINY_LLAMA, rms_norm_eps=1e-5).save_pretrained(tmp_path / "conf")
     (tmp_path / "load.py").write_text(CONFIG_LOAD)
     argv = (str(tmp_path / "load.py"), str(tmp_path / "weights"), str(tmp_path / "conf"))
     assert run_script(tmp_path, cwd=tmp_path, args=argv)[:2] == ["cold", 1e-5]
     assert run_script(tmp_path, cwd=tmp_path, args=argv)[:2] == ["warm", 1e-5]
-    LlamaConfig(**LLAMA, rms_norm_eps=1e-3).save_pretrained(tmp_path / "conf")
+    LlamaConfig(**TINY_LLAMA, rms_norm_eps=1e-3).save_pretrained(tmp_path / "conf")
     edited = run_script(tmp_path, cwd=tmp_path, args=argv)
     assert edited[:2] == ["cold", 1e-3] and "config.json changed" in edited[2]
     assert run_script(tmp_path, cwd=tmp_path, args=argv)[:2] == ["warm", 1e-3]
@@ -312,12 +310,10 @@ print(json.dumps([events[-1].outcome, model.config.rms_norm_eps, events[-1].reas
 def test_a_hub_cache_folder_whose_main_moves(daemon: Client, tmp_path: Path) -> None:
     """``cache_dir=`` is text to the key; the hub's ``refs/main`` the load read is in the
     manifest."""
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     repo = tmp_path / "hub" / "models--mf-org--tiny"
     for commit, eps in (("a" * 40, 1e-5), ("b" * 40, 1e-3)):
-        LlamaForCausalLM(LlamaConfig(**LLAMA, rms_norm_eps=eps)).save_pretrained(
-            repo / "snapshots" / commit)
+        save_tiny_llama(repo / "snapshots" / commit, rms_norm_eps=eps)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("a" * 40)
     (tmp_path / "load.py").write_text(HUB_LOAD)
@@ -360,9 +356,8 @@ print(json.dumps([e.outcome for e in events] + [net.width, type(net.act).__name_
 def test_globals_and_class_attributes_of_main_edit_loop(daemon: Client, tmp_path: Path) -> None:
     """``python -c``: a global a method reads, a class attribute that holds a class; and a
     transformers model class defined there stays warm while unchanged."""
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    LlamaForCausalLM(LlamaConfig(**LLAMA)).save_pretrained(tmp_path / "llama")
+    save_tiny_llama(tmp_path / "llama")
 
     def run(width: int, act: str) -> Any:
         code = MAIN_GLOBALS.format(width=width, act=act, llama=str(tmp_path / "llama"))
@@ -472,9 +467,8 @@ print(json.dumps(out))
 def test_the_result_records_the_callers_own_text(daemon: Client, tmp_path: Path) -> None:
     """Note [The caller's own text]: a relative path, a symlink and a trailing slash each give
     the result a plain load gives for that text."""
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    LlamaForCausalLM(LlamaConfig(**LLAMA)).save_pretrained(tmp_path / "llama")
+    save_tiny_llama(tmp_path / "llama")
     (tmp_path / "link").symlink_to(tmp_path / "llama")
     (tmp_path / "load.py").write_text(TEXT_LOAD)
     texts = ["llama", str(tmp_path / "link"), "llama/", str(tmp_path / "llama")]

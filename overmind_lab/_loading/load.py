@@ -26,7 +26,7 @@ from overmind_lab._errors import (
     OvermindWarning,
     VerifyMismatch,
 )
-from overmind_lab._loading import effects, manifest, observe, user_code
+from overmind_lab._loading import draws, effects, manifest, observe, user_code
 from overmind_lab._loading import keys as _keys
 from overmind_lab._loading.client import Client, Session
 from overmind_lab._loading.pickling import (
@@ -298,19 +298,21 @@ def _load_with(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
         return _hit(session, fn, args, kwargs, info, start, entry, fds, components)
     # We hold the lease: load here, then park it. fn's exception propagates unchanged; closing the
     # session releases the lease.
-    rng_before = observe.snapshot()
     counter_before = hook_counter()
-    with observe.Capture() as capture, manifest.Recorder() as watched, effects.Watch() as done:
+    # Capture and Draws innermost: they see the loader, not what the recorders do at their exit.
+    with manifest.Recorder() as watched, effects.Watch() as done, \
+            observe.Capture() as capture, draws.Draws() as drew:
         result = _plain(fn, args, kwargs)
     cold = time.perf_counter() - start
     taken = (counter_before, hook_counter())  # Note [Hook ids] in ``pickling``
-    drawn = observe.changed(rng_before, observe.snapshot())
+    drawn = drew.drawn
     if drawn:
-        # Note [Loads that draw random numbers]: a load that moved a random generator (a new head
-        # initialised at random) depends on the seed and moves the stream; a hit would give seed 1
-        # seed 0's weights. Such loads are not cached (keying on the generators' state would miss in
-        # every fresh process, seeded from entropy).
-        reason = (f"it draws random numbers ({', '.join(drawn)} generator) while loading, "
+        # Note [Loads that draw random numbers]: a load that drew from a random generator (a new
+        # head initialised at random), even one that put its state back (``fork_rng``), depends on
+        # the seed or moves the stream; a hit would give seed 1 seed 0's weights. Such loads are
+        # not cached (keying on the generators' state would miss in every fresh process, seeded
+        # from entropy).
+        reason = (f"it draws random numbers ({', '.join(drawn)}) while loading, "
                   "e.g. to initialise weights missing from the checkpoint; it is not "
                   "cached, so that seeds keep working")
         _warn_once(f"random:{info.key}", f"{info.name} was loaded but not cached: {reason}")
@@ -416,7 +418,7 @@ def _report_background(outcome: background.StoreOutcome) -> None:
 def _hit(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
          kwargs: dict[str, Any], info: _keys.KeyInfo, start: float, entry: WireEntry,
          fds: list[int], components: dict[str, Any]) -> T:
-    rng_before = observe.snapshot() if _verify_on() else None
+    rng_before = draws.snapshot() if _verify_on() else None
     hooks_before = hook_counter()
     rebuild_error: BaseException | None = None
     try:
@@ -464,18 +466,20 @@ def _verify(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any
     """
     from overmind_lab._common.fingerprint import compare
 
-    rng_warm = observe.snapshot()
+    rng_warm = draws.snapshot()
     hooks_warm = hook_counter()
-    observe.restore(rng_before)
+    draws.restore(rng_before)
     set_hook_counter(hooks_before)  # the plain load takes the ids the hit took
-    with observe.Capture(emit=False) as capture:
+    with observe.Capture(emit=False) as capture, draws.Draws(ops=True) as drew:
         plain = _plain(fn, args, kwargs)
-    rng_plain = observe.snapshot()
+    rng_plain = draws.snapshot()
     found = compare(warm, plain)
     if found is None:
-        drawn = observe.changed(rng_warm, rng_plain)
+        drawn = draws.changed(rng_warm, rng_plain)
         if drawn:
             found = f"the random generators' state after the load ({', '.join(drawn)})"
+        elif drew.drawn:
+            found = f"random draws in the plain load ({', '.join(drew.drawn)})"
         elif hook_counter() != hooks_warm:
             found = (f"torch's hook id counter after the load: {hooks_warm} vs "
                      f"{hook_counter()}")
