@@ -476,3 +476,62 @@ def test_the_result_records_the_callers_own_text(daemon: Client, tmp_path: Path)
     first = run_script(tmp_path, cwd=tmp_path, args=argv)
     assert first == [["cold", t, t] for t in texts]
     assert run_script(tmp_path, cwd=tmp_path, args=argv) == [["warm", t, t] for t in texts]
+
+
+RUNTIME_LOAD = """
+import json, sys, overmind_lab
+sys.path.insert(0, sys.argv[1])
+import mf_helpers
+from mf_net import Net
+if len(sys.argv) > 2:
+    mf_helpers.WIDTH = int(sys.argv[2])  # a cell sets the helper's global
+with overmind_lab.record_loads() as events:
+    net = overmind_lab.load(Net, "unused")
+print(json.dumps([events[-1].outcome, net.layer.out_features, events[-1].reason]))
+"""
+
+
+def test_a_helpers_global_set_at_run_time(daemon: Client, tmp_path: Path) -> None:
+    """Note [Globals set at run time]: the file says 4, a cell sets 6 before the load."""
+    _write_split(tmp_path, 4, 1.0)
+    for name in ("mf_helpers", "mf_layers", "mf_net"):
+        (tmp_path / f"{name}.py").write_text(
+            (tmp_path / f"{name}.py").read_text().replace("from mf_helpers import WIDTH",
+                                                          "import mf_helpers")
+            .replace("(n, WIDTH,", "(n, mf_helpers.WIDTH,"))
+    (tmp_path / "load.py").write_text(RUNTIME_LOAD)
+    script = str(tmp_path / "load.py")
+
+    def run(*width: str) -> Any:
+        return run_script(tmp_path, cwd=tmp_path, args=(script, str(tmp_path), *width))[:2]
+
+    assert run() == ["cold", 4]
+    assert run() == ["warm", 4]
+    assert run("6") == ["cold", 6]  # set at run time: the stored 4 is not this process's
+    assert run("6") == ["warm", 6]
+    assert run() == ["cold", 4]  # the entry was built from a value the file does not give
+    assert run() == ["warm", 4]
+
+
+def test_a_global_set_at_run_time_is_marked(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [Globals set at run time], in this process: the entry of a module whose global was set
+    after its import misses where the module is imported fresh (its file gives another value)."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    helpers = _module(tmp_path, "mf_rt_helpers", "WIDTH = 4\nNAME = 'a'\n")
+    model = _module(tmp_path, "mf_rt_model", "import mf_rt_helpers\n\nclass Model:\n    pass\n")
+    try:
+        found = manifest.build(manifest.Recorder(), [model.Model], None, None)
+        states = {m[0]: m[4] for m in found["modules"]}
+        assert not states["mf_rt_helpers"].startswith("~")
+        assert manifest.changed(found) is None
+        helpers.WIDTH = 6
+        assert manifest.changed(found) == "the globals of the module mf_rt_helpers changed"
+        found = manifest.build(manifest.Recorder(), [model.Model], None, None)
+        assert {m[0]: m[4] for m in found["modules"]}["mf_rt_helpers"].startswith("~")
+        assert manifest.changed(found) is None
+        del sys.modules["mf_rt_helpers"]  # a fresh process: its file says 4
+        assert manifest.changed(found) == "the module mf_rt_helpers had globals set at run time"
+    finally:
+        for name in ("mf_rt_helpers", "mf_rt_model"):
+            sys.modules.pop(name, None)

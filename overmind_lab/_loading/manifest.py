@@ -37,7 +37,8 @@ __all__ = ["Recorder", "build", "changed"]
 # - modules: every module of the user's (Note [Regular code] in ``user_code``) that the load
 #   imported, or that the result's classes or the loader come from, and transitively what those
 #   import (by their ``import`` statements and by the modules their globals come from): a helper
-#   module that only lends a constant or a layer factory counts;
+#   module that only lends a constant or a layer factory counts; with the values of the globals
+#   its code reads (Note [Globals set at run time] in ``user_code``);
 # - code: the files of the regular modules the result's classes come from (an edit inside
 #   site-packages keeps every version string);
 # - distributions: the ``RECORD`` of each installed distribution whose modules the result's classes
@@ -282,7 +283,7 @@ def _code_dependencies(names: list[str], anchors: set[str]) -> tuple[
         recorded = _record(file)
         if recorded is None:
             continue
-        modules.append([name, *recorded])
+        modules.append([name, *recorded, user_code.globals_state(module, file)])
         stack.extend(n for n in _imports(module, file, recorded[1]) if n not in seen)
     if len(modules) + len(code) > MAX_DEPENDENCIES:
         raise NotCacheable(f"the load depends on more than {MAX_DEPENDENCIES} modules")
@@ -393,7 +394,7 @@ def _changed(manifest: dict[str, list[list[Any]]]) -> str | None:
         why = _differs(path, ident, digest, is_dir=True)
         if why is not None:
             return f"the folder {why}"
-    for name, path, ident, digest in manifest.get("modules", ()):
+    for name, path, ident, digest, state in manifest.get("modules", ()):
         module = sys.modules.get(name)
         here = getattr(module, "__file__", None)
         if isinstance(here, str) and here != path:
@@ -401,8 +402,14 @@ def _changed(manifest: dict[str, list[list[Any]]]) -> str | None:
         why = _differs(path, ident, digest)
         if why is not None:
             return f"the module {name}: {why}"
-        if module is not None and not user_code._current_in_memory(module, path):
+        if module is None:
+            if state is not None and state.startswith("~"):  # Note [Globals set at run time]
+                return f"the module {name} had globals set at run time"
+            continue
+        if not user_code._current_in_memory(module, path):
             return f"the module {name} changed after this process imported it"
+        if user_code.globals_state(module, path) != state:
+            return f"the globals of the module {name} changed"
     for name, path, ident, digest in manifest.get("code", ()):
         here = getattr(sys.modules.get(name), "__file__", None)
         why = _differs(here if isinstance(here, str) else path, ident, digest)

@@ -301,26 +301,14 @@ def _constants_match(module: types.ModuleType, source: bytes, path: str) -> bool
         tree = ast.parse(source, path)
     except (SyntaxError, ValueError):
         return False
-    bound: dict[str, list[ast.expr]] = {}
-    for node in tree.body:
-        targets = node.targets if isinstance(node, ast.Assign) else (
-            [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
-        value = getattr(node, "value", None)
-        for target in targets:
-            if isinstance(target, ast.Name):
-                bound.setdefault(target.id, []).append(
-                    value if isinstance(node, (ast.Assign, ast.AnnAssign)) and value is not None
-                    else ast.Constant(value=...))
     state = vars(module)
-    for name, values in bound.items():
-        if len(values) != 1 or name not in state:
-            continue
+    for name, values in _bindings(tree).items():
+        if len(values) != 1 or values[0] is None or name not in state:
+            continue  # bound twice, by ``+=``, without a value
         try:
             literal = ast.literal_eval(values[0])
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             continue  # not a literal: its code is compared above
-        if literal is ...:
-            continue  # bound by ``+=`` or without a value
         if type(literal) is not type(state[name]) or literal != state[name]:
             return False
     return True
@@ -373,6 +361,102 @@ def _inner_functions(func: types.FunctionType) -> list[types.FunctionType]:
             if inner is not None:
                 stack.append(inner)
     return out
+
+
+# Note [Globals set at run time]: a helper module's file says ``WIDTH = 4``, a cell runs
+# ``myhelpers.WIDTH = 8``, then loads: the plain load builds with 8, and the file's digest says
+# nothing of it. So an entry records, per module of the user's, a digest of the immutable values
+# (numbers, text, tuples of them, classes and functions by name) of its globals, marked ``~`` where
+# one differs from the file's single literal binding. A hit compares them with this process's
+# module if imported; a module not imported yet will run its file, so a ``~`` entry (built from
+# values set at run time) is a miss there. A script's ``__main__`` counts only the globals its own
+# code reads (``co_names`` of every function and method it defines): a loop's variable is not an
+# input. Mutable values (a cache filled by the load) are left out.
+_read_names: dict[tuple[int, str, int, int], tuple[str, ...]] = {}
+_literals: dict[tuple[str, int, int], dict[str, Any]] = {}
+
+
+def globals_state(module: types.ModuleType, path: str) -> str | None:
+    """The digest of ``module``'s immutable globals (Note [Globals set at run time]), ``~`` first
+    where one was set at run time; ``None`` if it has none."""
+    st = os.stat(path)
+    key = (id(module), path, st.st_ino, st.st_mtime_ns)
+    names = _read_names.get(key) if module.__name__ == "__main__" else tuple(sorted(vars(module)))
+    if names is None:
+        found: set[str] = set()
+        for code in _module_codes(module, path):
+            stack = [code]
+            while stack:
+                c = stack.pop()
+                found.update(c.co_names)
+                stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+        names = _read_names[key] = tuple(sorted(found))
+    state = vars(module)
+    h = hashlib.sha256()
+    set_at_run_time = False
+    literals: dict[str, Any] | None = None
+    count = 0
+    for name in names:
+        if name not in state or name.startswith("__"):
+            continue
+        value = state[name]
+        if not _immutable(value):
+            continue
+        count += 1
+        h.update(f"\0{name}={_plain_repr(value)}".encode())
+        if not set_at_run_time and not isinstance(value, type) and _function_of(value) is None:
+            if literals is None:
+                literals = _file_literals(path, st)
+            if name in literals and (type(literals[name]) is not type(value)
+                                     or literals[name] != value):
+                set_at_run_time = True
+    if not count:
+        return None
+    return ("~" if set_at_run_time else "") + h.hexdigest()[:_DIGEST]
+
+
+def _immutable(value: Any, depth: int = 0) -> bool:
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes, type)):
+        return True
+    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType)):
+        return True
+    if isinstance(value, (tuple, frozenset)) and depth < 4 and len(value) <= _PLAIN_ITEMS:
+        return all(_immutable(v, depth + 1) for v in value)
+    return False
+
+
+def _file_literals(path: str, st: os.stat_result) -> dict[str, Any]:
+    """Module-level names the file binds once, to a literal: their values."""
+    key = (path, st.st_ino, st.st_mtime_ns)
+    found = _literals.get(key)
+    if found is not None:
+        return found
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        tree = ast.Module(body=[], type_ignores=[])
+    found = _literals[key] = {}
+    for name, values in _bindings(tree).items():
+        if len(values) == 1 and values[0] is not None:
+            try:
+                found[name] = ast.literal_eval(values[0])
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                continue
+    return found
+
+
+def _bindings(tree: ast.Module) -> dict[str, list[ast.expr | None]]:
+    """Each module-level name a file binds by assignment: the values (``None`` for ``+=``)."""
+    bound: dict[str, list[ast.expr | None]] = {}
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else (
+            [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        for target in targets:
+            if isinstance(target, ast.Name):
+                bound.setdefault(target.id, []).append(value)
+    return bound
 
 
 def object_digest(obj: Any) -> str | None:
