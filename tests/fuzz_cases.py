@@ -4,8 +4,17 @@ A *spec* is a JSON text that says what to build: a module tree (``kind: module``
 tokenizer (``kind: tokenizer``) or a config (``kind: config``). :func:`build` makes the
 object from it, deterministically: every number comes from a local ``torch.Generator``
 seeded from the spec, never from a global generator (a load that moves one is not cached,
-by design), so two calls of ``build(spec)``, in any process, give equal objects. The spec
-text is the load's argument, hence part of the cache key: each example has its own entry.
+by design), so two calls of ``build(spec)``, in any process, give equal objects. The one
+exception is a module tree's ``rng``: it draws from the global generator inside
+``torch.random.fork_rng`` (seeded there, so still deterministic), which puts the state back;
+such a load must come back uncached (:func:`must_be_uncached`). The spec text is the load's
+argument, hence part of the cache key: each example has its own entry.
+
+Some shapes are what a pickle rebuild cannot carry (Note [What pickling cannot carry] in
+``overmind_lab/_loading/faithful.py``): tensor hooks, compiled submodules, references to this
+module's globals (``REGISTRY``...), tensors over numpy arrays. Loaded through the cache they
+come back uncached with a warning, equal to plain; the fingerprint names what a rebuild
+would lose (Note [Sharing with the outside] in ``overmind_lab/_common/fingerprint.py``).
 
 :func:`specs` is the hypothesis strategy of specs; :func:`forward` is what the fuzzer runs
 on each result besides the fingerprint (a forward pass on a fixed input for module trees,
@@ -27,6 +36,7 @@ import hashlib
 import json
 from typing import Any
 
+import numpy
 import torch
 from hypothesis import strategies as st
 from torch import nn
@@ -88,6 +98,39 @@ def kw_pre(module: nn.Module, args: Any, kwargs: Any) -> Any:
 
 def scale_out(factor: float, module: nn.Module, args: Any, out: Any) -> Any:
     return out * factor
+
+
+def grad_hook(grad: torch.Tensor) -> torch.Tensor:
+    """A tensor hook (``register_hook``)."""
+    return grad * 2
+
+
+def accumulated(param: torch.Tensor) -> None:
+    """A post-accumulate-grad hook."""
+
+
+#: State outside every result: a built object may refer to it (``where: outside``), and is then
+#: not cached (a rebuild would be a copy). Never changed.
+REGISTRY: dict[str, Any] = {"scale": 2.0, "names": ["a", "b"]}
+HISTORY: list[int] = [1, 2, 3]
+TABLE = torch.arange(4.0)
+ARRAY = numpy.arange(6.0)
+OUTSIDE = {"dict": "REGISTRY", "list": "HISTORY", "tensor": "TABLE", "array": "ARRAY"}
+#: Read by ``ReadsGlobal.forward`` (the result holds only the key). Never changed.
+GAINS: dict[str, float] = {"a": 0.5, "b": 1.5, "c": -1.0}
+OFFSET = 0.25
+
+
+class ReadsGlobal(nn.Module):
+    """A module whose forward reads module-level globals (``bake``: its gain read at build)."""
+
+    def __init__(self, key: str, bake: bool) -> None:
+        super().__init__()
+        self.key = key
+        self.gain = GAINS[key] if bake else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (GAINS[self.key] if self.gain is None else self.gain) + OFFSET
 
 
 class Scale(nn.Module):
@@ -217,7 +260,8 @@ def _apply(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 # -- build ---------------------------------------------------------------------------------
 
 def build(spec: str) -> Any:
-    """The object ``spec`` describes (deterministic; never touches a global generator)."""
+    """The object ``spec`` describes (deterministic; leaves the global generators as they were:
+    only a module tree's ``rng`` draws from one, inside ``fork_rng``)."""
     data = json.loads(spec)
     gen = torch.Generator().manual_seed(int(data.get("seed", 0)))
     return _build(data, gen)
@@ -441,6 +485,8 @@ def _layer(ls: dict[str, Any], dim: int, gen: torch.Generator) -> nn.Module:
         module = SlotGain(ls.get("gain", 1.5))
     elif t == "cached":
         module = CachedSum(torch.randn(dim, generator=gen))
+    elif t == "gread":
+        module = ReadsGlobal(ls.get("key", "a"), bool(ls.get("bake")))
     else:
         raise ValueError(f"unknown layer {t!r}")
     handles = []
@@ -451,8 +497,17 @@ def _layer(ls: dict[str, Any], dim: int, gen: torch.Generator) -> nn.Module:
             h.remove()
         elif ls.get("keep_handle") == i:
             module.handle = h  # type: ignore[assignment]
+    thook = ls.get("thook")
+    first = next(module.parameters(recurse=False), None)
+    if thook and first is not None and first.requires_grad:
+        if thook == "grad":
+            first.register_hook(grad_hook)
+        else:
+            first.register_post_accumulate_grad_hook(accumulated)
     if ls.get("eval"):
         module.eval()
+    if ls.get("compile"):
+        module.compile(backend="eager")
     return module
 
 
@@ -538,17 +593,70 @@ def _module_tree(data: dict[str, Any], gen: torch.Generator) -> nn.Module:
                 net.add_module(name, net.body[len(net.body) - 1])
         elif where == "cycle":  # a reference back to the root, not registered
             object.__setattr__(net, name, net)
+        elif where == "outside":  # a global of this module, maybe in a list
+            value = globals()[OUTSIDE[item.get("ref", "dict")]]
+            setattr(net, name, [value] if item.get("nested") else value)
+        elif where == "from_numpy":  # a tensor and a numpy array over the same memory
+            made[-1] = _over_numpy(net, name, item, gen)
         elif where == "numpy":  # an array of the tensor's bytes (large ones out of band)
-            import numpy
-
             reps = int(item.get("repeat", 1))
             raw = numpy.frombuffer(_bytes_of(t) * reps, dtype=numpy.uint8)
             setattr(net, name, raw if not item.get("strided") else raw[::2])
         else:
             raise ValueError(f"unknown place {where!r}")
+    if data.get("rng"):
+        with torch.random.fork_rng(devices=[]):  # the global generator, put back after
+            if data["rng"] == "seeded":
+                torch.manual_seed(int(data.get("seed", 0)))
+                net.register_buffer("drawn", torch.randn(dim))
+            else:
+                torch.rand(1)  # drawn, unused, and put back
     if not data.get("training", True):
         net.eval()
     return net
+
+
+def _over_numpy(net: nn.Module, name: str, item: dict[str, Any],
+                gen: torch.Generator) -> torch.Tensor:
+    """``torch.from_numpy`` of a new array, or ``Tensor.numpy()`` of a new tensor; the array kept
+    beside the tensor (whole or a view) or not."""
+    shape = list(item.get("shape", item["tensor"]["shape"]))
+    if item.get("mode") == "to_numpy":
+        t = _values(shape, "float32", "randn", gen)
+        array = t.numpy()
+    else:
+        array = _values(shape, "float32", "randn", gen).numpy().copy()
+        t = torch.from_numpy(array)
+    if item.get("buffer"):
+        net.register_buffer(name, t)
+    else:
+        setattr(net, name, t)
+    keep = item.get("keep")
+    if keep:
+        setattr(net, f"{name}_array", array if keep == "whole" or not array.size
+                else array.reshape(-1)[1:])
+    return t
+
+
+def must_be_uncached(spec: str) -> str | None:
+    """Why the cache must refuse ``spec``'s load where the fingerprint cannot tell (a draw from
+    the global generator that ``fork_rng`` puts back: the result is deterministic), or None."""
+    data = json.loads(spec)
+    parts = data.get("parts", [data])
+    if any(part.get("rng") for part in parts):
+        return "it draws from the global generator (inside fork_rng)"
+    return None
+
+
+def shapes(spec: str) -> set[str]:
+    """The shapes a pickle rebuild cannot carry that ``spec`` has, for the fuzzer's counts."""
+    found = set()
+    for key, name in (('"thook"', "tensor hook"), ('"compile"', "compiled"),
+                      ('"outside"', "outside"), ('"from_numpy"', "over numpy"),
+                      ('"rng"', "fork_rng"), ('"gread"', "reads globals")):
+        if key in spec:
+            found.add(name)
+    return found
 
 
 def _tokenizer(data: dict[str, Any]) -> Any:
@@ -726,7 +834,7 @@ def tensor_specs(draw: st.DrawFn, param: bool = False) -> dict[str, Any]:
 def extras(draw: st.DrawFn) -> dict[str, Any]:
     where = draw(st.sampled_from(("param", "buffer", "buffer", "plist", "pdict", "attr",
                                   "list", "slotted", "state", "reduce", "sub", "numpy",
-                                  "misc", "misc", "twin", "cycle")))
+                                  "misc", "misc", "twin", "cycle", "outside", "from_numpy")))
     item: dict[str, Any] = {"where": where,
                             "tensor": draw(tensor_specs(where in ("param", "plist", "pdict")))}
     if where == "misc":
@@ -738,6 +846,15 @@ def extras(draw: st.DrawFn) -> dict[str, Any]:
         item["persistent"] = draw(st.booleans())
     if where == "slotted":
         item["both"] = draw(st.booleans())
+    if where == "outside":
+        item["ref"] = draw(st.sampled_from(tuple(OUTSIDE)))
+        item["nested"] = draw(st.booleans())
+    if where == "from_numpy":
+        item["mode"] = draw(st.sampled_from(("from_numpy", "to_numpy")))
+        item["keep"] = draw(st.sampled_from((None, "whole", "view")))
+        item["buffer"] = draw(st.booleans())
+        # (no empty arrays: see the named case "empty numpy array")
+        item["shape"] = draw(st.lists(st.integers(1, 4), max_size=3))
     if draw(st.integers(0, 6)) == 0:
         item["tie"] = draw(st.integers(0, 20))
     return item
@@ -763,6 +880,8 @@ def layers(depth: int = 0) -> st.SearchStrategy[dict[str, Any]]:
         st.fixed_dictionaries({"t": st.just("norm"), "affine": st.booleans()}),
         st.fixed_dictionaries({"t": st.just("slots"), "gain": st.sampled_from((0.5, 1.5))}),
         st.just({"t": "cached"}),
+        st.fixed_dictionaries({"t": st.just("gread"), "key": st.sampled_from(tuple(GAINS)),
+                               "bake": st.booleans()}),
     )
     if depth >= 2:
         node = leaf
@@ -782,18 +901,37 @@ def layers(depth: int = 0) -> st.SearchStrategy[dict[str, Any]]:
                 ls["keep_handle"] = draw(st.integers(0, len(ls["hooks"]) - 1))
         if draw(st.integers(0, 5)) == 0:
             ls["eval"] = True
+        # Rare (such results are not cached); a value in the middle: hypothesis draws the
+        # bounds far more often than their share.
+        if draw(st.integers(0, 11)) == 5 and (
+                ls["t"] == "linear" and not ls.get("frozen") or ls["t"] == "norm"
+                and ls.get("affine")):
+            ls["thook"] = draw(st.sampled_from(("grad", "post")))
+        if draw(st.integers(0, 19)) == 7 and _compilable(ls):
+            ls["compile"] = True
         return ls
 
     return decorated()
 
 
+def _compilable(ls: dict[str, Any]) -> bool:
+    """Layers whose forward never raises: a compiled one that raised could raise another type
+    once dynamo gives up recompiling new instances and runs it eagerly."""
+    return ls["t"] in ("act", "norm", "gread") or (
+        ls["t"] == "linear" and ls.get("dtype") in ("float32", "float64"))
+
+
 @st.composite
 def module_specs(draw: st.DrawFn) -> dict[str, Any]:
-    return {"kind": "module", "seed": draw(st.integers(0, 2 ** 16)),
+    spec = {"kind": "module", "seed": draw(st.integers(0, 2 ** 16)),
             "dim": draw(st.integers(1, 6)),
             "body": draw(st.lists(layers(), min_size=0, max_size=4)),
             "extras": draw(st.lists(extras(), min_size=0, max_size=6)),
             "training": draw(st.booleans())}
+    # (a value in the middle: hypothesis draws the bounds far more often than 1 in 20)
+    if draw(st.integers(0, 19)) == 7:
+        spec["rng"] = draw(st.sampled_from(("seeded", "unused")))
+    return spec
 
 
 _LETTERS = "abcdeéz"
@@ -992,6 +1130,18 @@ NAMED: dict[str, str] = {
                                               "layout": "coo", "rg": False, "shape": [1, 1]}},
                 {"where": "misc", "misc": "generator", "tensor": {
                     "dtype": "float32", "layout": "coo", "rg": False, "shape": [1, 1]}}]),
+    # OPEN: numpy gives an empty array zero strides (`numpy.zeros((2, 0, 3)).strides` is
+    # (0, 0, 0); `Tensor.numpy()` of an empty tensor too, and `.copy()` keeps them); a rebuild
+    # gives it C strides (`x0_array: numpy.ndarray float32 shape [0] strides [4] vs [0]`), as
+    # numpy's own pickle does. Empty arrays are left out of the `from_numpy` draws meanwhile.
+    "empty numpy array": _spec(
+        kind="module", seed=0, dim=1, body=[], training=True, extras=[
+            {"where": "from_numpy", "mode": "from_numpy", "keep": "whole", "buffer": False,
+             "shape": [0], "tensor": {"dtype": "float32", "layout": "dense", "rg": False,
+                                      "shape": [0]}},
+            {"where": "from_numpy", "mode": "to_numpy", "keep": "whole", "buffer": True,
+             "shape": [2, 0, 3], "tensor": {"dtype": "float32", "layout": "dense", "rg": False,
+                                            "shape": [0]}}]),
     # Hook ids come from a process-wide counter: two plain loads differ in them
     # (`_forward_hooks: keys [6, 4] vs [14, 12]`); each load here starts from the plain
     # load's counter (Note [Hook ids in the fuzzer]), and a warm one must have its ids.

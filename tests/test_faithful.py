@@ -21,23 +21,7 @@ import overmind_lab
 from overmind_lab import Client, OvermindWarning
 from overmind_lab._errors import NotCacheable
 from overmind_lab._loading.faithful import check
-
-# Module-level state of the user's code (this module is not a regular distribution's).
-REGISTRY: dict[str, int] = {"hits": 0}
-HISTORY: list[int] = []
-SIZES = (1, 2)  # immutable: a copy cannot be told from it
-ARRAY = numpy.arange(4.0)
-
-
-class Settings:
-    """A user class: its instances are mutable state."""
-
-    def __init__(self) -> None:
-        self.level = 1
-
-
-SETTINGS = Settings()
-SHARED_LAYER = torch.nn.utils.skip_init(torch.nn.Linear, 2, 2)
+from tests import outside_state as state
 
 
 class Holder:
@@ -155,21 +139,22 @@ def test_a_handle_to_a_module_outside_is_named() -> None:
 
 # -- 5. the user's globals -------------------------------------------------------------------
 @pytest.mark.parametrize("value, name", [
-    (REGISTRY, "REGISTRY (dict)"), (HISTORY, "HISTORY (list)"), (ARRAY, "ARRAY (ndarray)"),
-    (SETTINGS, "SETTINGS (Settings)"), (SHARED_LAYER, "SHARED_LAYER (Linear)"),
+    (state.REGISTRY, "REGISTRY (dict)"), (state.HISTORY, "HISTORY (list)"),
+    (state.ARRAY, "ARRAY (ndarray)"), (state.SETTINGS, "SETTINGS (Settings)"),
+    (state.SHARED_LAYER, "SHARED_LAYER (Linear)"),
 ], ids=["dict", "list", "ndarray", "instance", "module"])
 def test_a_global_of_the_users_code_is_named(value: Any, name: str) -> None:
     text = reason({"model": layer(), "state": [value]})
-    assert text == (f"`['state'][0]` is the global {__name__}.{name}: a rebuild would make a "
+    assert text == (f"`['state'][0]` is the global {state.__name__}.{name}: a rebuild would make a "
                     "copy, no longer that object")
 
 
 def test_immutable_and_library_globals_are_not_flagged() -> None:
-    check({"sizes": SIZES, "backslash": json.decoder.BACKSLASH, "empty": ()})
+    check({"sizes": state.SIZES, "backslash": json.decoder.BACKSLASH, "empty": ()})
 
 
 def test_objects_held_by_reference_are_neither_walked_nor_judged() -> None:
-    component = SHARED_LAYER  # as if it came from the cache, passed to the call
+    component = state.SHARED_LAYER  # as if it came from the cache, passed to the call
     result = {"unet": component, "ref": weakref.ref(component)}
     assert "is the global" in reason(result)
     check(result, by_reference=(id(component),))
@@ -191,9 +176,9 @@ def test_an_array_over_a_tensor_is_named() -> None:
 
 
 def test_a_tensor_over_a_global_array_is_named() -> None:
-    assert reason({"t": torch.from_numpy(ARRAY)}) == (
-        f"`['t']` shares memory with the numpy array {__name__}.ARRAY (torch.from_numpy): a "
-        "rebuilt tensor would have its own copy")
+    assert reason({"t": torch.from_numpy(state.ARRAY)}) == (
+        f"`['t']` shares memory with the numpy array {state.__name__}.ARRAY (torch.from_numpy): "
+        "a rebuilt tensor would have its own copy")
 
 
 def test_a_tensor_over_an_array_held_nowhere_else_is_not_flagged() -> None:

@@ -6,8 +6,9 @@ is loaded plainly (``build(spec)``), cold (``overmind_lab.load(build, spec)``, t
 time) and warm (the same again, in this process). All three must have equal fingerprints
 (``overmind_lab._common.fingerprint``) and compute the same (``fuzz_cases.forward``: a
 forward pass on a fixed input, bit for bit, or the same exception type). A load may come
-back uncached with a warning, and must then still equal plain; no load may raise where
-plain does not. Then one fresh process loads every spec warm and prints its fingerprints,
+back uncached with a warning, and must then still equal plain (a load that draws from the
+global generator inside ``fork_rng`` must: ``fuzz_cases.must_be_uncached``); no load may raise
+where plain does not. Then one fresh process loads every spec warm and prints its fingerprints,
 which are compared with the plain ones of this process.
 
 The seed is fixed (``derandomize``); the run stops drawing after ``OVERMIND_FUZZ_SECONDS``
@@ -102,6 +103,9 @@ def compare(spec: str, plain: Loaded, other: Loaded, label: str) -> str | None:
         return f"{label}: raises {other.raised} where plain does not"
     if other.outcome not in ("cold", "warm", "uncached"):
         return f"{label}: outcome {other.outcome} ({other.reason})"
+    refuse = fuzz_cases.must_be_uncached(spec)
+    if refuse is not None and other.outcome != "uncached":
+        return f"{label}: outcome {other.outcome}, where {refuse}: it must be uncached"
     assert plain.fp is not None and other.fp is not None
     found = difference(other.fp, plain.fp, names=(label, "plain"))
     if found is not None:
@@ -239,6 +243,9 @@ def test_fuzz_plain_cold_warm_fresh(daemon: Client, tmp_path: Path,
             counts["examples"] += 1
             counts[_kind(spec)] += 1
             counts[f"warm {warm.outcome or 'raises'}"] += 1
+            for shape in fuzz_cases.shapes(spec):
+                counts[f"shape {shape}"] += 1
+                counts[f"shape {shape}: warm {warm.outcome or 'raises'}"] += 1
             if plain.raised is not None:
                 counts["plain raises"] += 1
             plains[spec] = plain

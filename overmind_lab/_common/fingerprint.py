@@ -2,7 +2,8 @@
 
 ``fingerprint(obj)`` walks a result as pickle sees it and records a short text per path
 (classes, aliases, attributes in order, hooks, tensors' layout, sharing, bytes and flags,
-tokenizers). It never raises and depends on no address, id or hash salt (Note [What differs
+tokenizers, closures), and what the result shares with the world outside it (Note [Sharing with
+the outside]). It never raises and depends on no address, id or hash salt (Note [What differs
 between two plain loads]); ``difference(a, b)`` names the first differing path. Standard library
 only (torch and numpy from ``sys.modules``).
 """
@@ -10,12 +11,19 @@ only (torch and numpy from ``sys.modules``).
 from __future__ import annotations
 
 import ast
+import collections
+import enum
 import functools
 import hashlib
 import re
 import sys
+import types
+import weakref
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import Any
+
+from overmind_lab._common.outside import array_bounds, is_user_module, user_globals
 
 __all__ = ["fingerprint", "difference", "differences", "compare", "PROBES", "INTENDED"]
 
@@ -39,6 +47,7 @@ def fingerprint(obj: Any) -> Fingerprint:
     """Path -> description of everything observable in ``obj`` (see the module doc)."""
     walker = _Walker()
     walker.visit(obj, "", 0)
+    walker.finish()
     return walker.out
 
 
@@ -136,6 +145,15 @@ class _Walker:
         self.storages: dict[Any, str] = {}
         self.torch = sys.modules.get("torch")
         self.numpy = sys.modules.get("numpy")
+        hooks = sys.modules.get("torch.utils.hooks")
+        self.handle_type: Any = hooks.RemovableHandle if hooks is not None else None
+        #: what is judged once the whole result is walked (Note [Sharing with the outside]):
+        #: CPU storages' and arrays' bytes (start, end, path), hook handles (path, handle)
+        self.spans: list[tuple[int, int, str]] = []
+        self.arrays: list[tuple[int, int, str]] = []
+        self.handles: list[tuple[str, Any]] = []
+        #: class -> how its instances are walked, where not as the rest are (``special_for``)
+        self.special: dict[type, Callable[[Any, str, int], None] | None] = {}
 
     def put(self, path: str, text: str) -> None:
         self.out[path] = text
@@ -191,6 +209,12 @@ class _Walker:
             return
         if isinstance(obj, type):
             self.put(path, f"class {_qual(obj)}")
+            return
+        if cls not in self.special:
+            self.special[cls] = self.special_for(cls)
+        special = self.special[cls]
+        if special is not None:
+            special(obj, path, depth)
             return
         if isinstance(obj, (list, tuple)) and not hasattr(obj, "__dict__"):
             items = list(obj)
@@ -292,6 +316,56 @@ class _Walker:
             if parts[index] is not None:
                 self.visit(list(parts[index]), _attr(path, label), depth + 1)
 
+    def special_for(self, cls: type) -> Callable[[Any, str, int], None] | None:
+        if issubclass(cls, types.FunctionType):
+            return self.function
+        if issubclass(cls, types.MethodType):
+            return self.method
+        if issubclass(cls, functools.partial):
+            return self.partial
+        if self.handle_type is not None and issubclass(cls, self.handle_type):
+            return self.handle
+        return None
+
+    def handle(self, obj: Any, path: str, depth: int) -> None:
+        self.handles.append((path, obj))  # what it removes: once the walk is done
+        self.instance(obj, path, depth)
+
+    def function(self, fn: types.FunctionType, path: str, depth: int) -> None:
+        """A function by its name; one pickled by value (a lambda, a nested function) also by what
+        it closes over and its defaults, which a rebuild copies."""
+        self.put(path, f"{_qual(type(fn))} {fn.__module__}.{fn.__qualname__}")
+        if not _by_name(fn):
+            for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=False):
+                try:
+                    value = cell.cell_contents
+                except ValueError:
+                    self.put(f"{path}.<locals>.{name}", "<empty cell>")
+                    continue
+                self.visit(value, f"{path}.<locals>.{name}", depth + 1)
+            if fn.__defaults__:
+                self.visit(fn.__defaults__, _attr(path, "__defaults__"), depth + 1)
+            if fn.__kwdefaults__:
+                self.visit(fn.__kwdefaults__, _attr(path, "__kwdefaults__"), depth + 1)
+        self.attributes(fn, fn.__dict__, path, depth)
+
+    def method(self, bound: types.MethodType, path: str, depth: int) -> None:
+        func: Any = bound.__func__
+        self.put(path, f"{_qual(type(bound))} {getattr(func, '__module__', '?')}."
+                       f"{getattr(func, '__qualname__', '?')}")
+        self.visit(bound.__self__, _attr(path, "__self__"), depth + 1)
+        if not _by_name(func):
+            self.visit(func, _attr(path, "__func__"), depth + 1)
+
+    def partial(self, part: functools.partial[Any], path: str, depth: int) -> None:
+        self.put(path, _qual(type(part)))
+        self.visit(part.func, _attr(path, "func"), depth + 1)
+        self.visit(part.args, _attr(path, "args"), depth + 1)
+        self.visit(part.keywords, _attr(path, "keywords"), depth + 1)
+        state = getattr(part, "__dict__", None)
+        if isinstance(state, dict) and state:
+            self.attributes(part, state, path, depth)
+
     def module(self, obj: Any, path: str, depth: int) -> None:
         # ``_compiled_call_impl = None`` reads as the class attribute; __getstate__ drops it.
         state = {k: v for k, v in obj.__dict__.items()
@@ -328,6 +402,8 @@ class _Walker:
         assert torch is not None
         self.put(f"{path} storage data_ptr%16", str(untyped.data_ptr() % 16))
         self.put(f"{path} storage {ALIGNED64}", str(untyped.data_ptr() % 64))
+        if untyped.device.type == "cpu" and nbytes:
+            self.spans.append((untyped.data_ptr(), untyped.data_ptr() + nbytes, path))
         host = untyped if untyped.device.type == "cpu" else untyped.cpu()
         raw = torch.empty(0, dtype=torch.uint8).set_(host)
         return text + f" bytes {_digest(raw.numpy().tobytes())}"
@@ -377,6 +453,10 @@ class _Walker:
         grad = getattr(t, "grad", None) if t.is_leaf else None
         if grad is not None:
             self.visit(grad, _attr(path, "grad"), depth + 1)
+        for name in ("_backward_hooks", "_post_accumulate_grad_hooks"):  # register_hook...
+            hooks = getattr(t, name, None)
+            if hooks:
+                self.visit(hooks, _attr(path, name), depth + 1)
         state = getattr(t, "__dict__", None)
         if isinstance(state, dict) and state:
             self.attributes(t, state, path, depth)
@@ -399,6 +479,9 @@ class _Walker:
 
     def ndarray(self, a: Any, path: str, depth: int) -> None:
         numpy: Any = self.numpy
+        bounds = array_bounds(a)
+        if bounds is not None:
+            self.arrays.append((*bounds, path))
         data = numpy.ascontiguousarray(a)
         self.put(path, f"{_qual(type(a))} {a.dtype} shape {list(a.shape)} strides "
                        f"{list(a.strides)} bytes {_digest(data.tobytes())}")
@@ -420,6 +503,114 @@ class _Walker:
         if callable(getattr(backend, "to_str", None)):
             probes.append(("backend", lambda: _digest(backend.to_str().encode())))
         self.facts(f"{path} tokenizer", probes)
+
+    # -- what the result shares with the world outside it ---------------------------------
+    def finish(self) -> None:
+        """The facts that need the whole walk (Note [Sharing with the outside])."""
+        try:
+            globals_ = user_globals()
+            self.user_globals(globals_)
+            self.sharing(globals_)
+            for path, handle in self.handles:
+                self.put(f"{path} removes", self.removes(handle))
+        except Exception as exc:  # noqa: BLE001 - recorded, never raised
+            self.put("<outside> !", _unreadable(exc))
+
+    def user_globals(self, found: list[tuple[str, Any]]) -> None:
+        """``<path> global``: the object at ``path`` is a module-level global of the user's code."""
+        for name, value in found:
+            path = self.seen.get(id(value))
+            if path and f"{path} global" not in self.out and self.mutable(value):
+                self.put(f"{path} global", name)
+
+    def mutable(self, value: Any) -> bool:
+        """Whether a copy of ``value`` could be told from it (identity, a change in place): what
+        ``_loading/faithful.py`` refuses to cache when it is a global of the user's."""
+        cls = type(value)
+        if issubclass(cls, (dict, list, set, bytearray, collections.deque, weakref.WeakSet,
+                            weakref.WeakKeyDictionary, weakref.WeakValueDictionary)):
+            return True
+        torch, numpy = self.torch, self.numpy
+        if torch is not None and issubclass(cls, (torch.Tensor, torch.nn.Module)):
+            return True
+        if numpy is not None and issubclass(cls, numpy.ndarray):
+            return True
+        if issubclass(cls, (type, enum.Enum, tuple, frozenset, functools.partial,
+                            types.FunctionType, types.MethodType, types.BuiltinFunctionType,
+                            types.ModuleType)):
+            return False  # by name, or immutable
+        module = getattr(cls, "__module__", None)  # an instance of a user class
+        return isinstance(module, str) and is_user_module(module, sys.modules.get(module))
+
+    def sharing(self, found: list[tuple[str, Any]]) -> None:
+        """``<path> shares memory``: a tensor's storage and a numpy array over the same bytes (an
+        array in the result, or a global of the user's)."""
+        numpy = self.numpy
+        arrays = list(self.arrays)
+        if numpy is not None and self.spans:
+            arrays += [(*bounds, f"global {name}") for name, value in found
+                       if isinstance(value, numpy.ndarray) and id(value) not in self.seen
+                       and (bounds := array_bounds(value)) is not None]
+        if not arrays or not self.spans:
+            return
+        spans = sorted(self.spans)
+        starts = [start for start, _, _ in spans]
+        reach, top = [], 0  # the largest end up to each span
+        for _, end, _ in spans:
+            top = max(top, end)
+            reach.append(top)
+        shared: dict[str, list[str]] = {}
+        for start, end, array in arrays:
+            i = bisect_left(starts, end) - 1
+            while i >= 0 and reach[i] > start:
+                if spans[i][1] > start:
+                    tensor = spans[i][2]
+                    shared.setdefault(tensor, []).append(f"the numpy array {_shown(array)}")
+                    if not array.startswith("global "):
+                        shared.setdefault(array, []).append(f"the storage of {_shown(tensor)}")
+                i -= 1
+        if not shared:
+            return
+        order = {path: i for i, path in enumerate(self.out)}  # where each was first recorded
+        for path in sorted(shared, key=lambda p: order.get(p, len(order))):
+            self.put(f"{path} shares memory", "with " + ", ".join(sorted(shared[path])))
+
+    def removes(self, handle: Any) -> str:
+        """What ``handle.remove()`` removes: entries of hook tables in the result (by path), of
+        tables outside it, or nothing."""
+        key, entries, main = handle.id, [], None
+        for ref in (handle.hooks_dict_ref, *getattr(handle, "extra_dict_ref", ())):
+            table = ref()
+            where = None if table is None else self.seen.get(id(table))
+            place = ("a table gone" if table is None else _shown(where) if where is not None
+                     else "a table outside the result")
+            main = main or place
+            if table is not None and key in table:
+                entries.append(f"{place}[{key!r}]")
+        return ", ".join(entries) if entries else f"nothing (id {key!r} not in {main})"
+
+
+# Note [Sharing with the outside]: what a pickle rebuild cannot carry, the fingerprint records, so
+# verify mode, the corpus and the fuzzer name it (``_loading/faithful.py`` refuses to cache it):
+# ``<path> global`` (the object is a mutable module-level global of the user's code or
+# ``__main__``: a rebuild is a copy; not the result itself, which a script's or a notebook's
+# assignment makes one), ``<path> shares memory`` (a tensor's storage and a numpy array
+# over the same bytes: an array in the result, or a global of the user's; a rebuild gives each its
+# own), ``<path> removes`` (what a hook handle's ``remove()`` removes: an entry of a table in the
+# result, by path, of one outside it, or nothing). A function pickled by value (a lambda, a nested
+# function) is walked into its closure cells and defaults, a partial into its function and
+# arguments, a bound method into its ``__self__``. User code is what no standard library or site
+# folder holds (Note [Regular code] in ``_loading/user_code.py``, without its editable-install
+# roots, which lie outside those folders anyway); ``_common`` imports nothing of ``_loading``.
+def _by_name(fn: Any) -> bool:
+    """Whether pickle stores function ``fn`` by name: found where its name says it was defined."""
+    name = getattr(fn, "__qualname__", None)
+    if not isinstance(name, str) or "<locals>" in name:
+        return False
+    found: Any = sys.modules.get(getattr(fn, "__module__", None) or "")
+    for part in name.split("."):
+        found = getattr(found, part, None)
+    return found is fn
 
 
 def _deferred(state: dict[str, Any]) -> Any:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Collection, Iterable
 from itertools import chain
 from typing import Any
 
+from overmind_lab._common.outside import array_bounds
 from overmind_lab._errors import NotCacheable
 from overmind_lab._loading.pickling import hook_owners, slot_names
 from overmind_lab._loading.user_code import _module_file
@@ -399,7 +400,7 @@ class _Walk:
         self.visit_object(t, index, hidden)
 
     def visit_array(self, a: Any, index: int, hidden: bool) -> None:
-        bounds = _array_bounds(a)
+        bounds = array_bounds(a)
         if bounds is not None:
             self.arrays.append((*bounds, index))
         if a.base is not None:
@@ -438,7 +439,7 @@ class _Walk:
                                             "copy, no longer that object")
                 if self.tensors and self.numpy is not None and isinstance(value,
                                                                           self.numpy.ndarray):
-                    bounds = _array_bounds(value)
+                    bounds = array_bounds(value)
                     hit = None if bounds is None else self.overlapping(*bounds)
                     if hit is not None:
                         raise self.found(hit, f"shares memory with the numpy array {name}.{attr} "
@@ -493,20 +494,6 @@ class _Walk:
                 raise self.found(hit, f"shares memory with the numpy array at {self.path(index)} "
                                       "(torch.from_numpy, Tensor.numpy): a rebuild would give "
                                       "each its own copy")
-
-
-def _array_bounds(a: Any) -> tuple[int, int] | None:
-    """The bytes ``a`` spans, ``None`` for an empty or object array."""
-    if not a.size or a.dtype.hasobject:
-        return None
-    interface = a.__array_interface__
-    low = high = int(interface["data"][0])
-    for n, step in zip(a.shape, a.strides, strict=True):
-        if step < 0:
-            low += (n - 1) * step
-        else:
-            high += (n - 1) * step
-    return low, high + a.itemsize
 
 
 #: module name -> (module, whether it is the user's): regularity does not change in a process

@@ -378,12 +378,15 @@ def reduce_slotted_module(module: Any) -> Any:
 
 
 # Note [Strided arrays]: numpy pickles a non-contiguous array (a ``[::2]`` view) as a contiguous
-# copy; it goes as the bytes it spans instead, rebuilt as a view with its own strides.
+# copy; it goes as the bytes it spans instead, rebuilt as a view with its own strides. An empty
+# array (numpy gives it zero strides, its pickle dense ones) goes as its shape and strides.
 def reduce_strided_array(a: Any) -> Any:
     import numpy
 
-    if a.dtype.hasobject or not a.size or a.strides in _dense_strides(a.shape, a.itemsize):
+    if a.dtype.hasobject or a.strides in _dense_strides(a.shape, a.itemsize):
         return NotImplemented  # numpy's own pickling keeps it as it is
+    if not a.size:  # numpy gives empty arrays zero strides; its pickle, dense ones
+        return (rebuild_empty_array, (a.shape, a.strides, a.dtype, bool(a.flags.writeable)))
     try:
         from numpy.lib.array_utils import byte_bounds
     except ImportError:  # numpy < 2
@@ -409,6 +412,16 @@ def rebuild_strided_array(span: Any, offset: int, shape: tuple[int, ...],
     if writeable and not span.flags.writeable:
         span = span.copy()
     out = numpy.ndarray(shape, dtype, buffer=span, offset=offset, strides=strides)
+    if not writeable:
+        out.flags.writeable = False
+    return out
+
+
+def rebuild_empty_array(shape: tuple[int, ...], strides: tuple[int, ...], dtype: Any,
+                        writeable: bool) -> Any:
+    import numpy
+
+    out = numpy.ndarray(shape, dtype, buffer=bytearray(0), strides=strides)
     if not writeable:
         out.flags.writeable = False
     return out

@@ -19,7 +19,6 @@ import inspect
 import json
 import os
 import re
-import site
 import sys
 import types
 import weakref
@@ -27,6 +26,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Literal
 from urllib.parse import unquote, urlparse
 
+from overmind_lab._common.outside import regular_folders
 from overmind_lab._errors import NotCacheable
 
 __all__ = ["code_of", "graph_code", "changed", "is_regular_file", "file_digest", "object_digest"]
@@ -47,23 +47,7 @@ _DIGEST = 32
 @functools.lru_cache(maxsize=1)
 def _roots() -> tuple[tuple[str, bool], ...]:
     """(root + separator, regular?) pairs, longest first."""
-    # sysconfig's paths without ``sysconfig.get_paths()`` (which imports ``_sysconfigdata``).
-    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
-    regular = {os.path.dirname(os.__file__), *(
-        os.path.join(prefix, lib, version)
-        for prefix in {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
-        for lib in ("lib", "lib64", getattr(sys, "platlibdir", "lib")))}
-    sites: set[str] = set()
-    try:
-        sites.update(site.getsitepackages())
-    except AttributeError:  # an old virtualenv's site module
-        pass
-    user_site = site.getusersitepackages()
-    if isinstance(user_site, str):
-        sites.add(user_site)
-    sites.update(p for p in sys.path
-                 if os.path.basename(p.rstrip(os.sep)) in ("site-packages", "dist-packages"))
-    regular.update(sites)
+    regular, sites = regular_folders()
     # Installers write editable installs' metadata into the site folders only.
     editable = set(_editable_roots([p for p in sys.path if p in sites]))
     roots = {_as_root(p): True for p in regular if p}
