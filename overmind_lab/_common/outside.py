@@ -34,7 +34,19 @@ def regular_folders() -> tuple[set[str], set[str]]:
         sites.add(user_site)
     sites.update(p for p in sys.path
                  if os.path.basename(p.rstrip(os.sep)) in ("site-packages", "dist-packages"))
+    sites.update(p for p in sys.path if p and p not in sites and p not in regular
+                 and _holds_distributions(p))
     return regular | sites, sites
+
+
+def _holds_distributions(folder: str) -> bool:
+    """Whether an installer wrote into ``folder`` (``pip install --target``, a folder of
+    installed packages on ``PYTHONPATH`` or in a ``.pth``): it holds a ``.dist-info``."""
+    try:
+        with os.scandir(folder) as entries:
+            return any(e.name.endswith(".dist-info") for e in entries)
+    except OSError:
+        return False
 
 
 @functools.lru_cache(maxsize=1)
@@ -45,7 +57,9 @@ def regular_roots() -> tuple[str, ...]:
 
 @functools.lru_cache(maxsize=4096)
 def is_regular_file(path: str) -> bool:
-    return os.path.realpath(path).startswith(regular_roots())
+    """Under a regular root as named or as resolved (a folder of links into site-packages)."""
+    roots = regular_roots()
+    return os.path.realpath(path).startswith(roots) or os.path.abspath(path).startswith(roots)
 
 
 #: module name -> (module, whether it is the user's): a module's verdict does not change

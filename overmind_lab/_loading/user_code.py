@@ -37,7 +37,8 @@ _DIGEST = 32
 
 # Note [Regular code]: a module file is regular when the longest root it lies under is regular: the
 # standard library (sysconfig's stdlib and platstdlib of every prefix), site-packages and
-# dist-packages folders (site's, and any on ``sys.path``). Editable installs are roots of their own,
+# dist-packages folders (site's, and any on ``sys.path``), any folder on ``sys.path`` an installer
+# wrote a ``.dist-info`` into (``pip install --target``). Editable installs are roots of their own,
 # not regular: a dist-info's ``direct_url.json`` editable folder (PEP 610/660), an ``.egg-link``
 # target, ``__editable__*.pth`` folders, setuptools' editable finders' ``MAPPING``. Longest wins
 # both ways: this repository is an editable root holding ``.venv``, whose site-packages stays
@@ -146,10 +147,13 @@ def _finder_mapping(path: str) -> list[str]:
 @functools.lru_cache(maxsize=4096)
 def is_regular_file(path: str) -> bool:
     """Whether module file ``path`` is regular (Note [Regular code])."""
-    real = os.path.realpath(path)
-    for root, regular in _roots():
-        if real.startswith(root):
-            return regular
+    # As resolved, then as named: a folder of links into a site folder is installed code.
+    for candidate in dict.fromkeys((os.path.realpath(path), os.path.abspath(path))):
+        for root, regular in _roots():
+            if candidate.startswith(root):
+                if regular:
+                    return True
+                break
     return False
 
 
@@ -180,6 +184,8 @@ def _module_file(module: types.ModuleType | None) -> str | None | Literal[False]
         return False
     file = getattr(module, "__file__", None)
     if isinstance(file, str):
+        if not os.path.isabs(file):
+            return False  # ``torch.ops``' "_ops.py": a library's made-up module, no file of its own
         return False if _regular_module_file(module.__name__, file) else file
     name = module.__name__
     if name in sys.builtin_module_names:
