@@ -535,3 +535,21 @@ def test_a_global_set_at_run_time_is_marked(tmp_path: Path,
     finally:
         for name in ("mf_rt_helpers", "mf_rt_model"):
             sys.modules.pop(name, None)
+
+
+def test_a_symlink_retargeted_is_another_file(tmp_path: Path) -> None:
+    """A config reached through a link (``current -> v1``): pointing the link at ``v2`` is a
+    change, though neither file changed."""
+    for version in ("v1", "v2"):
+        (tmp_path / version).mkdir()
+        (tmp_path / version / "config.json").write_text(f'{{"v": "{version}"}}')
+    link = tmp_path / "current"
+    link.symlink_to(tmp_path / "v1")
+    with manifest.Recorder() as recorder:
+        (link / "config.json").read_text()
+    found = manifest.build(recorder, [], None, None)
+    assert [f[0] for f in found["files"]] == [str(link / "config.json")]
+    assert manifest.changed(found) is None
+    link.unlink()
+    link.symlink_to(tmp_path / "v2")
+    assert manifest.changed(found) == f"{link / 'config.json'} changed"

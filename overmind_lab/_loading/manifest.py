@@ -218,13 +218,16 @@ def build(recorder: Recorder, classes: Iterable[Any], loader: Callable[..., Any]
     # What the standard library and site folders hold goes before any ``realpath`` (an import
     # during the load opens hundreds of their files: ~50 µs each resolved).
     regular = tuple(root for root, is_regular in user_code._roots() if is_regular)
-    real = {os.path.realpath(p): None for p in recorder.files
-            if not p.startswith(regular) and "/__pycache__/" not in p}
-    files = [r for p in real if not _skipped(p, roots) and (r := _record(p)) is not None
-             and os.path.isfile(p)]
+    # Each path as it was opened (a symlink retargeted is another file: ``stat`` follows it), judged
+    # where it leads (a link into the source folder or a site folder is theirs).
+    opened = {os.path.normpath(p): None for p in recorder.files
+              if not p.startswith(regular) and "/__pycache__/" not in p}
+    files = [r for p in opened if not _skipped(os.path.realpath(p), roots)
+             and os.path.isfile(p) and (r := _record(p)) is not None]
     search = {os.path.realpath(p or ".") for p in sys.path}  # what imports list, not loads
-    dirs = [r for p in {os.path.realpath(p): None for p in recorder.dirs}
-            if p not in search and not _skipped(p + os.sep, roots) and os.path.isdir(p)
+    dirs = [r for p in {os.path.normpath(p): None for p in recorder.dirs}
+            if (real := os.path.realpath(p)) not in search
+            and not _skipped(real + os.sep, roots) and os.path.isdir(p)
             and (r := _record(p, is_dir=True)) is not None]
     anchors = {getattr(c, "__module__", None) for c in classes}
     if loader is not None:
