@@ -137,7 +137,6 @@ def test_an_installed_module_edited_in_place_and_a_reinstall_are_seen(
     monkeypatch.syspath_prepend(str(site_dir))
     user_code.forget_roots()
     manifest._distribution_index.cache_clear()
-    manifest._record_file.cache_clear()
     try:
         package = importlib.import_module("mfpkg")
         assert user_code.is_regular_file(str(code))
@@ -155,7 +154,6 @@ def test_an_installed_module_edited_in_place_and_a_reinstall_are_seen(
         monkeypatch.undo()
         user_code.forget_roots()
         manifest._distribution_index.cache_clear()
-        manifest._record_file.cache_clear()
 
 
 def test_globals_that_code_without_a_file_reads_enter_its_digest() -> None:

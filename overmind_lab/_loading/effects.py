@@ -90,14 +90,10 @@ class Watch:
             if key is None:
                 raise NotCacheable(f"the load registers in {module}.{attr} what a hit cannot "
                                    f"register again: {value}")
-        auto = [[_name(c), vars(c)["_auto_class"]] for c in classes
+        auto = [[user_code._name(c), vars(c)["_auto_class"]] for c in classes
                 if isinstance(c, type) and isinstance(vars(c).get("_auto_class"), str)]
         out = {"registered": self.registered, "auto_class": auto}
         return {k: v for k, v in out.items() if v}
-
-
-def _name(obj: Any) -> str:
-    return f"{obj.__module__}:{obj.__qualname__}"
 
 
 def _encode(value: Any) -> Any:
@@ -106,7 +102,7 @@ def _encode(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return {"seq": type(value).__name__, "items": [_encode(v) for v in value]}
     if isinstance(value, type) or callable(value) and hasattr(value, "__qualname__"):
-        name = _name(value)
+        name = user_code._name(value)
         if "<locals>" not in name:
             return {"ref": name}
     raise NotCacheable(f"{value!r} is not a class, a function or a plain value")

@@ -24,6 +24,7 @@ from typing import Any
 
 from overmind_lab._errors import NotCacheable
 from overmind_lab._loading import user_code
+from overmind_lab._loading.keys import _file_identity as _identity
 
 __all__ = ["Recorder", "build", "changed"]
 
@@ -133,28 +134,22 @@ class Recorder:
         self._modules_before = set()
 
 
-# -- signatures --------------------------------------------------------------------------
-def _identity(st: os.stat_result) -> list[int]:
-    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+# -- signatures (Note [File signatures] in ``keys``) -------------------------------------
+#: (folder, identity) -> digest of its names, per process
+_listings: dict[tuple[str, tuple[int, ...]], str] = {}
 
 
-#: (path, identity) -> content digest, per process
-_digests: dict[tuple[str, tuple[int, ...]], str] = {}
-
-
-def _content_digest(path: str, ident: list[int], is_dir: bool, cached: bool = True) -> str:
-    found = _digests.get((path, tuple(ident))) if cached else None
-    if found is not None:
-        return found
-    h = hashlib.sha256()
-    if is_dir:
-        h.update("\0".join(sorted(os.listdir(path))).encode("utf-8", "surrogateescape"))
-    else:
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-    digest = _digests[(path, tuple(ident))] = h.hexdigest()[:32]
-    return digest
+def _content_digest(path: str, is_dir: bool, cached: bool = True) -> str:
+    """A file's digest (``user_code.file_digest``), or a folder's: of its sorted names; cached per
+    process by identity unless ``cached`` is false."""
+    if not is_dir:
+        return user_code.file_digest(path, cached=cached)
+    key = (path, tuple(_identity(os.stat(path))))
+    found = _listings.get(key) if cached else None
+    if found is None:
+        names = "\0".join(sorted(os.listdir(path))).encode("utf-8", "surrogateescape")
+        found = _listings[key] = hashlib.sha256(names).hexdigest()[:32]
+    return found
 
 
 # Note [Racy signatures]: a file written twice within one timestamp tick (a few ms before Linux
@@ -175,7 +170,7 @@ def _record(path: str, is_dir: bool = False) -> list[Any] | None:
     if is_dir or st.st_size <= DIGEST_LIMIT:
         racy = time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) < RACY_NS
         try:
-            digest = _content_digest(path, ident, is_dir, cached=not racy)
+            digest = _content_digest(path, is_dir, cached=not racy)
         except OSError:
             return None
         digest = f"!{digest}" if racy else digest
@@ -195,7 +190,7 @@ def _differs(path: str, ident: list[int], digest: str | None, is_dir: bool = Fal
     if digest is None or (not is_dir and st.st_size != ident[2]):
         return f"{path} changed"
     try:
-        if _content_digest(path, now, is_dir, cached=not racy) == digest.lstrip("!"):
+        if _content_digest(path, is_dir, cached=not racy) == digest.lstrip("!"):
             return None
     except OSError:
         return f"{path} cannot be read"
@@ -236,7 +231,8 @@ def build(recorder: Recorder, classes: Iterable[Any], loader: Callable[..., Any]
     names = [n for n in anchors if isinstance(n, str)] + recorder.new_modules
     modules, code, tops = _code_dependencies(names, {n for n in anchors if isinstance(n, str)})
     dists = [[top, *r] for top in sorted(tops)
-             if (path := _record_file(top)) is not None and (r := _record(path)) is not None]
+             if (path := _distribution_index().get(top)) is not None
+             and (r := _record(path)) is not None]
     out = {"files": files, "dirs": dirs, "modules": modules, "code": code, "dists": dists}
     for kind, items in out.items():
         if len(items) > MAX_DEPENDENCIES:
@@ -341,12 +337,6 @@ def _imported_names(file: str, package: str) -> list[str]:
             names.append(base)
             names.extend(f"{base}.{alias.name}" for alias in node.names)
     return names
-
-
-@functools.cache
-def _record_file(top: str) -> str | None:
-    """The ``RECORD`` of the installed distribution that holds top-level package ``top``."""
-    return _distribution_index().get(top)
 
 
 @functools.lru_cache(maxsize=1)

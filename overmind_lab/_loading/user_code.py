@@ -202,11 +202,12 @@ def _module_file(module: types.ModuleType | None) -> str | None | Literal[False]
 _file_digests: dict[tuple[str, int, int, int, int, int], str] = {}
 
 
-def file_digest(path: str) -> str:
-    """sha256 of a file's content, cached per process by path and identity."""
+def file_digest(path: str, *, cached: bool = True) -> str:
+    """sha256 of a file's content, cached per process by path and identity (``cached=False``: read
+    again whatever the cache holds, Note [Racy signatures] in ``manifest``)."""
     st = os.stat(path)
     sig = (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-    digest = _file_digests.get(sig)
+    digest = _file_digests.get(sig) if cached else None
     if digest is None:
         with open(path, "rb") as f:
             digest = _file_digests[sig] = hashlib.sha256(f.read()).hexdigest()[:_DIGEST]
