@@ -9,6 +9,7 @@ __all__ = [
     "ErrorKind",
     "OvermindError",
     "DaemonUnavailable",
+    "NotAnswering",
     "ProtocolError",
     "UnknownEntry",
     "NotCacheable",
@@ -44,6 +45,15 @@ class OvermindError(Exception):
 
 class DaemonUnavailable(OvermindError):
     """The per-user daemon cannot be reached (and could not be started)."""
+
+
+class NotAnswering(DaemonUnavailable):
+    """The daemon accepts connections but does not reply (stopped, stuck): the load goes plain."""
+
+    def __init__(self, message: str, pid: int | None = None) -> None:
+        super().__init__(message)
+        #: the silent daemon's pid, where known
+        self.pid = pid
 
 
 class ProtocolError(OvermindError):

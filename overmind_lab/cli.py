@@ -7,7 +7,8 @@
     overmind-lab ls [--json]                         cached entries and their statistics
     overmind-lab evict KEY | --all                   drop entries (held copies keep working)
     overmind-lab refresh KEY                         reload an entry from its source
-    overmind-lab stop                                stop the daemon
+    overmind-lab stop [--force]                      stop the daemon (--force: kill one
+                                                     that does not answer)
     overmind-lab bench PATH [--class NAME] [--dtype D] [--repeat N]
                                                      load times of a model folder: plain,
                                                      cold, warm, after a daemon restart
@@ -53,8 +54,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     status = _client(args).status()
     if args.json:
         _print_json(status)
+    elif status.get("not_answering"):
+        print(f"not answering  pid {status.get('pid', '?')} on {status['socket']}")
+        print(f"               {status['error']}")
     elif not status["running"]:
         print(f"not running (socket {status['socket']})")
+        if "error" in status and "no overmind-lab daemon is listening" not in status["error"]:
+            print(f"  {status['error']}")
     else:
         print(f"running      pid {status['pid']}, up {status['uptime_seconds']:.0f} s, "
               f"version {status['version']}")
@@ -114,7 +120,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    stopped = _client(args).stop()
+    stopped = _client(args).stop(force=args.force)
     print("stopped" if stopped else "not running")
     return 0 if stopped else NOT_RUNNING
 
@@ -167,7 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     evict.add_argument("--all", action="store_true", help="evict every entry")
     refresh = add("refresh", cmd_refresh, "reload an entry from its source")
     refresh.add_argument("key", help="entry key or unique key prefix")
-    add("stop", cmd_stop, "stop the daemon", json_flag=False)
+    stop = add("stop", cmd_stop, "stop the daemon", json_flag=False)
+    stop.add_argument("--force", action="store_true",
+                      help="kill a daemon that does not answer or does not stop in time")
     from overmind_lab import measure
     from overmind_lab._jupyter_server import kernelspec as spec
 

@@ -16,6 +16,8 @@ import sysconfig
 from collections.abc import Iterable
 from pathlib import Path
 
+from overmind_lab._common.trust import open_private
+
 __all__ = ["importable_by_name", "is_third_party", "read_learned", "record_learned",
            "third_party_modules"]
 
@@ -108,8 +110,12 @@ def third_party_modules(names: Iterable[str] | None = None) -> list[str]:
 
 def read_learned(path: Path) -> list[str]:
     """The learned modules importable by name (an older file may hold others)."""
+    fd = open_private(path)  # Note [Trust no neighbour]: ours, and only ours to write
+    if fd is None:
+        return []
     try:
-        data = json.loads(path.read_text())
+        with os.fdopen(fd, "rb") as f:
+            data = json.loads(f.read())
     except (OSError, ValueError):
         return []
     names = [str(n) for n in data.get("modules", [])] if isinstance(data, dict) else []

@@ -25,6 +25,7 @@ from overmind_lab._common.messages import (
     ZygoteReply,
 )
 from overmind_lab._common.protocol import Channel
+from overmind_lab._common.trust import Untrusted, check_folder, check_server
 from overmind_lab._common.zygote_paths import (
     TIMELINE_ENV,
     ZYGOTE_ONLY_ENV,
@@ -173,10 +174,8 @@ class WarmKernel:
 
 def ask(sock_path: Path, request: ZygoteOpRequest, timeout: float = 5.0) -> ZygoteReply:
     """One request without descriptors to the zygote on ``sock_path``; its reply."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    sock = _connect(sock_path, timeout)
     try:
-        sock.settimeout(timeout)
-        sock.connect(str(sock_path))
         chan = Channel(sock, timeout)
         chan.send(request)
         reply, fds = chan.recv()
@@ -225,12 +224,11 @@ def request_fork(cmd: list[str], env: dict[str, str], cwd: str,
         request["standby_wait"] = standby_wait
     for attempt in (1, 2):
         inode = _inode(paths.socket)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        sock.settimeout(_CONNECT_TIMEOUT)
         try:
-            sock.connect(str(paths.socket))
+            sock = _connect(paths.socket, _CONNECT_TIMEOUT)
+        except Untrusted as exc:  # never spawn beside another user's socket
+            raise WarmUnavailable(str(exc)) from exc
         except OSError as exc:
-            sock.close()
             if standby:  # the launch's own request starts one
                 raise WarmUnavailable(f"no zygote is running ({exc.strerror})") from exc
             spawn(paths, owners=[os.getpid()], env=env)
@@ -264,6 +262,22 @@ def request_fork(cmd: list[str], env: dict[str, str], cwd: str,
         sock.close()
         raise WarmUnavailable(f"the zygote answered a fork without a pid: {reply!r}")
     return WarmKernel(pid, fds[0], chan, fds[1] if standby else None)
+
+
+def _connect(path: Path, timeout: float) -> socket.socket:
+    """A socket connected to the zygote on ``path``, its folder and its listener checked before a
+    byte is sent (Note [Trust no neighbour] in ``trust``: a kernel launch carries the server's
+    environment and the kernel's stdio). Raises ``Untrusted`` or ``OSError``."""
+    check_folder(path.parent, "zygote socket")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(str(path))
+        check_server(sock, path, "zygote")
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _inode(path: Path) -> int | None:

@@ -1,7 +1,10 @@
 """Talking to the per-user daemon: :class:`Client` for management, :class:`Session` for loads. Every
 socket operation has a timeout; OS errors become :class:`~overmind_lab.DaemonUnavailable` or
 :class:`~overmind_lab.ProtocolError` here. The first client that finds no daemon starts one (``serve
---detach``) under a start lock, so racing clients end with exactly one daemon.
+--detach``) under a start lock, so racing clients end with exactly one daemon. Before a byte is
+sent, the socket's folder and the listening process are checked (Note [Trust no neighbour] in
+``_common/trust.py``), and a daemon that does not answer is given up on quickly (Note [A daemon
+that does not answer]).
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -19,9 +23,11 @@ from typing import TYPE_CHECKING, cast
 
 from overmind_lab._common.naming import SOCKET_ENV, socket_path
 from overmind_lab._common.protocol import Channel, Frame
+from overmind_lab._common.trust import Untrusted, check_folder, check_server, open_private
 from overmind_lab._errors import (
     DaemonUnavailable,
     ErrorKind,
+    NotAnswering,
     OvermindError,
     ProtocolError,
     UnknownEntry,
@@ -53,6 +59,11 @@ __all__ = ["Client", "Session"]
 TIMEOUT = 30.0
 START_TIMEOUT = 30.0
 WAIT_ENV = "OVERMIND_LAB_WAIT_TIMEOUT"
+#: Note [A daemon that does not answer]: the deadline for the connection and the first reply.
+ANSWER_ENV = "OVERMIND_LAB_ANSWER_TIMEOUT"
+ANSWER_TIMEOUT = 2.0
+#: How long a daemon found silent (and not stopped) is skipped before it is asked again.
+SILENT_RETRY = 30.0
 
 
 class Client:
@@ -69,6 +80,8 @@ class Client:
         self.timeout = timeout
         #: set when this client started a daemon over the stale socket of a dead one
         self.replaced_dead_daemon = False
+        #: the daemon's pid as its socket says (``SO_PEERCRED``), once connected
+        self.server_pid: int | None = None
 
     def __repr__(self) -> str:
         return f"Client({str(self.path)!r})"
@@ -78,17 +91,31 @@ class Client:
         """A channel to the daemon, starting the daemon first when ``start``."""
         try:
             return self._connect()
-        except DaemonUnavailable:
-            if not start:
-                raise
+        except NotAnswering:
+            raise  # one is running: starting another would only find it
+        except DaemonUnavailable as exc:
+            if not start or isinstance(exc.__cause__, Untrusted):
+                raise  # never start a daemon where another user could be listening
         self._spawn()
         return self._connect()
 
     def _connect(self) -> Channel:
+        try:  # Note [Trust no neighbour]: the folder first, the listener before a byte is sent
+            check_folder(self.path.parent)
+        except Untrusted as exc:
+            raise DaemonUnavailable(str(exc)) from exc
+        silent = _silent_daemon(self.path)
+        if silent is not None:  # Note [A daemon that does not answer]
+            raise _not_answering(self.path, silent)
+        answer = min(self.timeout, answer_timeout())
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        sock.settimeout(self.timeout)
+        sock.settimeout(answer)
         try:
             sock.connect(str(self.path))
+            self.server_pid = check_server(sock, self.path)
+        except Untrusted as exc:
+            sock.close()
+            raise DaemonUnavailable(str(exc)) from exc
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             sock.close()
             raise DaemonUnavailable(f"no overmind-lab daemon is listening on {self.path}") from exc
@@ -96,10 +123,13 @@ class Client:
             sock.close()
             raise DaemonUnavailable(f"permission denied on {self.path}: the daemon belongs "
                                     "to another user") from exc
+        except TimeoutError as exc:  # a full backlog: nobody accepts
+            sock.close()
+            raise _not_answering(self.path, None) from exc
         except OSError as exc:
             sock.close()
             raise DaemonUnavailable(f"cannot connect to {self.path}: {exc}") from exc
-        return Channel(sock, self.timeout)
+        return _DaemonChannel(sock, self.timeout, answer, self.path, self.server_pid)
 
     def request(self, op: Op, *, start: bool = False, **fields: object) -> Frame:
         """Send one request and return its reply; raises on ``ok: false``."""
@@ -121,6 +151,8 @@ class Client:
             try:  # someone else may have started it while we waited for the lock
                 self._connect().close()
                 return
+            except NotAnswering:
+                raise
             except DaemonUnavailable:
                 pass
             stale = self.path.exists()
@@ -146,6 +178,12 @@ class Client:
         """Daemon status; ``{"running": False, ...}`` when no daemon runs (never raises)."""
         try:
             return _status(cast("StatusReply", self.request("status")))
+        except NotAnswering as exc:
+            silent: Status = {"running": False, "socket": str(self.path), "error": str(exc),
+                              "not_answering": True}
+            if exc.pid is not None:
+                silent["pid"] = exc.pid
+            return silent
         except (DaemonUnavailable, ProtocolError) as exc:
             return {"running": False, "socket": str(self.path), "error": str(exc)}
 
@@ -168,10 +206,15 @@ class Client:
         """Start the daemon if it is not running; returns its status."""
         return _status(cast("StatusReply", self.request("status", start=True)))
 
-    def stop(self, timeout: float = 10.0) -> bool:
-        """Stop the daemon; ``False`` if none was running."""
+    def stop(self, timeout: float = 10.0, *, force: bool = False) -> bool:
+        """Stop the daemon; ``False`` if none was running. ``force``: a daemon that does not
+        answer, or does not stop within ``timeout``, is killed (``SIGKILL``)."""
         try:
             reply = cast("StopReply", self.request("stop"))
+        except NotAnswering as exc:
+            if not force or exc.pid is None:
+                raise
+            return _kill_daemon(self.path, exc.pid, timeout)
         except DaemonUnavailable:
             return False
         pid = int(reply.get("pid", 0))
@@ -180,7 +223,10 @@ class Client:
             if not _alive(pid):
                 return True
             time.sleep(0.02)
-        raise DaemonUnavailable(f"the daemon (pid {pid}) did not stop within {timeout} s")
+        if force:
+            return _kill_daemon(self.path, pid, timeout)
+        raise DaemonUnavailable(f"the daemon (pid {pid}) did not stop within {timeout} s; "
+                                "`overmind-lab stop --force` kills it")
 
     def session(self) -> Session:
         """A connection for one cached load (lookup, lease, store), daemon started."""
@@ -245,6 +291,165 @@ class Session:
             self.chan.send(msg)
         except OSError:
             pass  # statistics only
+
+
+# Note [A daemon that does not answer]: a stopped daemon (SIGSTOP, a debugger, a swap storm) still
+# accepts connections: the kernel queues them. Waiting the 30 s timeout would stall every load of
+# every process. So the connection and the *first* reply of each conversation have a short deadline
+# (``$OVERMIND_LAB_ANSWER_TIMEOUT``, 2 s; the daemon answers in milliseconds, and a lookup that
+# must wait for another process's load says "wait" at once, then every 5 s). A client that misses
+# it writes ``<socket>.silent`` (the pid, its start time, the process state, when) beside the
+# socket, in the folder only the user can write, and raises :class:`NotAnswering`: the load goes
+# plain with one warning. Every later client, in any process, reads the mark before it connects
+# and gives up at once while the mark names that same process (start time: no reused pid) and
+# either the process is still stopped (``T``/``t`` in ``/proc/<pid>/stat``) or the mark is younger
+# than ``SILENT_RETRY``; after that one client asks again, under the same deadline. A daemon
+# stopped when marked and running now is asked at once. The first reply from it removes the mark.
+# ``status`` says "not answering" with the pid; ``stop --force`` kills it (SIGKILL works on a
+# stopped process), after which the next load starts a new daemon.
+def answer_timeout() -> float:
+    """The deadline for a connection and its first reply (Note [A daemon that does not answer])."""
+    try:
+        value = float(os.environ.get(ANSWER_ENV, ANSWER_TIMEOUT))
+    except ValueError:
+        return ANSWER_TIMEOUT
+    return value if value > 0 else ANSWER_TIMEOUT
+
+
+class _DaemonChannel(Channel):
+    """A channel whose first reply comes under the answer deadline."""
+
+    def __init__(self, sock: socket.socket, timeout: float, answer: float, path: Path,
+                 pid: int | None) -> None:
+        super().__init__(sock, answer)
+        self.answered = False
+        self.normal_timeout = timeout
+        self.path = path
+        self.pid = pid
+
+    def recv(self) -> tuple[Frame, list[int]]:
+        if self.answered:
+            return super().recv()
+        try:
+            frame = super().recv()
+        except TimeoutError as exc:
+            _mark_silent(self.path, self.pid)
+            raise _not_answering(self.path, self.pid) from exc
+        self.answered = True
+        self.settimeout(self.normal_timeout)
+        if _SILENT or os.path.lexists(_silent_path(self.path)):
+            _clear_silent(self.path, self.pid)
+        return frame
+
+
+#: path -> (pid, start time, state, when): the marks this process made or read
+_SILENT: dict[Path, tuple[int, int, str, float]] = {}
+
+
+def _silent_path(path: Path) -> Path:
+    return path.with_name(path.name + ".silent")
+
+
+def _not_answering(path: Path, pid: int | None) -> NotAnswering:
+    who = f" (pid {pid})" if pid else ""
+    return NotAnswering(f"the cache daemon on {path}{who} does not answer (stopped or stuck); "
+                        "loads run without the cache. `overmind-lab stop --force` ends it and "
+                        "the next load starts a new one", pid)
+
+
+def _process_state(pid: int) -> tuple[int, str] | None:
+    """``(start time, state letter)`` of a live process, from ``/proc/<pid>/stat``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[19]), fields[0].decode()
+
+
+def _mark_silent(path: Path, pid: int | None) -> None:
+    if pid is None:
+        return
+    proc = _process_state(pid)
+    if proc is None:
+        return
+    mark = (pid, proc[0], proc[1], time.time())
+    _SILENT[path] = mark
+    tmp = path.with_name(f"{path.name}.silent.{os.getpid()}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        try:
+            os.write(fd, " ".join(map(str, mark)).encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, _silent_path(path))
+    except OSError:
+        pass  # this process remembers it still
+
+
+def _read_silent(path: Path) -> tuple[int, int, str, float] | None:
+    mark = _SILENT.get(path)
+    fd = open_private(_silent_path(path))  # Note [Trust no neighbour], rule 3
+    if fd is not None:
+        try:
+            pid, start, state, when = os.read(fd, 256).decode().split()
+            mark = (int(pid), int(start), state, float(when))
+        except (OSError, ValueError):
+            pass
+        finally:
+            os.close(fd)
+    return mark
+
+
+def _silent_daemon(path: Path) -> int | None:
+    """The pid of a daemon on ``path`` known not to answer now; ``None``: ask it."""
+    mark = _read_silent(path)
+    if mark is None:
+        return None
+    pid, start, state, when = mark
+    proc = _process_state(pid)
+    if proc is None or proc[0] != start:  # gone: whoever is there now is asked
+        _clear_silent(path, pid)
+        return None
+    if proc[1] in "Tt":
+        return pid
+    if state in "Tt" or time.time() - when >= SILENT_RETRY:
+        return None  # resumed, or time to ask again
+    return pid
+
+
+def _clear_silent(path: Path, pid: int | None) -> None:
+    mark = _read_silent(path)
+    _SILENT.pop(path, None)
+    if mark is not None and (pid is None or mark[0] == pid):
+        try:
+            os.unlink(_silent_path(path))
+        except OSError:
+            pass
+
+
+def _kill_daemon(path: Path, pid: int, timeout: float) -> bool:
+    """``stop --force``: kill our daemon ``pid`` (checked: our uid, an overmind-lab process)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            uid = next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except (OSError, StopIteration, ValueError):
+        _clear_silent(path, pid)
+        return False  # gone already
+    if uid != os.getuid() or b"overmind" not in cmdline:
+        raise DaemonUnavailable(f"pid {pid} on {path} is not an overmind-lab daemon of yours; "
+                                "not killing it")
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            raise DaemonUnavailable(f"the daemon (pid {pid}) did not die within {timeout} s")
+        time.sleep(0.02)
+    _clear_silent(path, pid)
+    return True
 
 
 # -- helpers ----------------------------------------------------------------------------
