@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -92,3 +93,73 @@ def test_our_own_processes_start_no_thread(argv: list[str], expected: bool,
     assert wanted(argv) is expected
     monkeypatch.setenv("OVERMIND_LAB_PREWARM", "0")
     assert wanted(argv) is False
+
+
+# Note [A fork while the thread imports]: forks at drawn moments of the thread's work, each in a
+# fresh process. The parent's fork must not wait for the thread nor print anything; each child must
+# import what the thread was importing (a hang is a timeout: the child's own alarm), log, and make
+# a key whose scans equal a process's that never had the thread.
+FORK_AT = """
+import json, os, signal, sys, time
+import overmind_lab
+from overmind_lab._loading import prewarm
+start = time.perf_counter()
+time.sleep({delay})
+thread_alive = prewarm._thread is not None and prewarm._thread.is_alive()
+pid = os.fork()
+if pid == 0:
+    signal.alarm(120)
+    import logging
+    from overmind_lab._loading import keys, load, user_code
+    logging.getLogger("probe").warning("child logs")
+    info = keys.make_key(json.loads, ("{{}}",), {{}})
+    versions = keys._installed_versions()
+    sys.stdout.write(json.dumps({{"child": True, "diffusers": versions.get("diffusers"),
+                                 "key": bool(info.key)}}) + "\\n")
+    sys.stdout.flush()
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print(json.dumps({{"status": status, "alive": thread_alive}}))
+"""
+
+
+def test_a_fork_at_any_moment_of_the_thread_prints_nothing_and_children_work() -> None:
+    import random
+
+    rng = random.Random(34)
+    alive = 0
+    plain = run_py("import json, overmind_lab\nfrom overmind_lab._loading import keys\n"
+                   "print(json.dumps(keys._installed_versions().get('diffusers')))",
+                   env={"OVERMIND_LAB_PREWARM": "0"})
+    for seed in range(16):
+        delay = 0 if seed < 4 else rng.uniform(0, 0.05)
+        proc = run_py(FORK_AT.format(delay=delay))
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        child, parent = (json.loads(line) for line in lines)
+        assert parent["status"] == 0, proc
+        assert child["key"] and child["diffusers"] == json.loads(plain.stdout.strip())
+        assert proc.stderr.strip().splitlines() == ["child logs"], proc.stderr
+        alive += parent["alive"]
+    assert alive > 0  # some forks did come while the thread worked
+
+
+def test_the_thread_registers_no_fork_hooks_that_pair_before_and_after() -> None:
+    """Note [A fork while the thread imports], 1: a module the thread imports must not register a
+    ``before`` or ``after_in_parent`` hook (it would be half-run by a fork in the middle)."""
+    proc = run_py("""
+        import json, os, threading
+        regs = []
+        real = os.register_at_fork
+        def register(**hooks):
+            regs.append([threading.current_thread().name, sorted(hooks)])
+            return real(**hooks)
+        os.register_at_fork = register
+        import overmind_lab
+        from overmind_lab._loading import prewarm
+        prewarm.wait(60)
+        print(json.dumps(regs))
+    """)
+    regs = last_json(proc)
+    assert [name for name, hooks in regs if name == "overmind-lab-prewarm"]  # it does register
+    assert not [hooks for name, hooks in regs if name == "overmind-lab-prewarm"
+                and ("before" in hooks or "after_in_parent" in hooks)], regs

@@ -10,14 +10,17 @@ are closed.
 from __future__ import annotations
 
 import array
-import asyncio
 import json
 import os
 import socket
 import struct
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from overmind_lab._errors import ProtocolError
+
+if TYPE_CHECKING:
+    import asyncio
 
 __all__ = ["Channel", "AsyncChannel", "Frame", "MAX_FRAME", "MAX_FDS", "bind_private",
            "peer_credentials"]
@@ -160,6 +163,8 @@ class AsyncChannel:
         sock.setblocking(False)
         self.sock = sock
         self._reader = _FrameReader()
+        import asyncio  # the daemon's only: a loading process never imports it for us
+
         self._loop = asyncio.get_running_loop()
 
     async def _wait(self, writable: bool) -> None:

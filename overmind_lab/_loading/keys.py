@@ -423,6 +423,15 @@ def prewarm() -> None:
     _prewarmed = state
 
 
+def forget_prewarm() -> None:
+    """Forget whatever scans the prewarm thread made (a fork's child of an unfinished thread)."""
+    global _prewarmed
+    _prewarmed = None
+    for cached in (_installed_versions, _attention_packages, _torch_installed):
+        cached.cache_clear()
+    user_code.forget_roots()
+
+
 def site_state() -> tuple[Any, ...]:
     """What the installation scans depend on (Note [The first call's work, earlier])."""
     mtimes: list[int | None] = []
@@ -441,9 +450,7 @@ def _settle() -> None:
     if state is None:
         return
     if state != site_state():
-        for cached in (_installed_versions, _attention_packages, _torch_installed):
-            cached.cache_clear()
-        user_code.forget_roots()
+        forget_prewarm()
 
 
 # -- the key ----------------------------------------------------------------------------

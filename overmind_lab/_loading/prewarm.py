@@ -16,9 +16,30 @@ the work).
   compares it (``keys._settle``: ~20 µs): on any difference the caches are emptied and that key
   scans afresh, exactly as without the thread.
 - A fork while the thread imports would leave a module lock held in the child by a thread that does
-  not exist there (a later import of that module hangs). A fork first waits for the thread
-  (``os.register_at_fork``; it runs before the interpreter takes its import lock). The processes
-  of our own that fork (the daemon, the zygote) and the CLI start no thread at all (``wanted``).
+  not exist there (a later import of that module hangs) and the module half-run in
+  ``sys.modules``: Note [A fork while the thread imports]. The processes of our own that fork (the
+  daemon, the zygote) and the CLI start no thread at all (``wanted``).
+
+Note [A fork while the thread imports]: a fork right after ``import overmind_lab`` (a
+multiprocessing fork pool, DataLoader workers, ``os.fork``) used to wait for the thread (0.05-0.8 s)
+and printed ``Exception ignored in _releaseLock``: ``logging``, imported by the thread *during* that
+wait, registered its fork hooks after the interpreter had copied the list of ``before`` hooks, so
+its ``after_in_parent`` released a lock its ``before`` never took. Now a fork does not wait:
+
+1. ``logging`` (the one module the thread would import that registers ``before`` and
+   ``after_in_parent`` hooks; ``tests/test_prewarm.py`` checks that it stays the only one) is
+   imported before the thread starts, by the importing thread (free where torch or ipykernel came
+   first; 2-3 ms otherwise). The thread then registers no hook that pairs a parent's before and
+   after, so no fork can see half a pair.
+2. The child repairs what the vanished thread held: each module lock it owned is dropped from
+   ``importlib._bootstrap._module_locks`` (the next import makes a fresh one) and each module it was
+   still running is removed from ``sys.modules``, with its submodules (the next import runs them
+   from the start, as in a fresh process; a finished submodule left there would not be bound to
+   the package's new module object again); the scans it made are forgotten (they were not checked against the search
+   path's state: ``keys.forget_prewarm``). The child starts no thread of its own: it does the work
+   at its first call, as without the thread.
+3. The thread holds no lock of ours while it scans (the caches are ``lru_cache``s, filled whole),
+   so nothing else of ours can be left held.
 """
 
 from __future__ import annotations
@@ -50,16 +71,60 @@ def start() -> None:
     global _thread
     if _thread is not None or not wanted(list(getattr(sys, "orig_argv", sys.argv))):
         return
+    import logging  # noqa: F401 - Note [A fork while the thread imports], 1
+
     _thread = threading.Thread(target=_run, name="overmind-lab-prewarm", daemon=True)
-    os.register_at_fork(before=wait)
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
     _thread.start()
 
 
 def wait(timeout: float | None = 5.0) -> None:
-    """Wait for the thread, if one runs (before a fork; tests)."""
+    """Wait for the thread, if one runs (the lazy public names; tests)."""
     thread = _thread
     if thread is not None and thread is not threading.current_thread():
         thread.join(timeout)
+
+
+#: the thread's ident while it ran at the last fork (Note [A fork while the thread imports])
+_running_at_fork: int | None = None
+
+
+def _before_fork() -> None:
+    global _running_at_fork
+    thread = _thread
+    _running_at_fork = thread.ident if thread is not None and thread.is_alive() else None
+
+
+def _after_fork_in_child() -> None:
+    """Note [A fork while the thread imports], 2: what the thread held, let go in the child."""
+    global _thread
+    tid = _running_at_fork
+    if tid is None:
+        return
+    _thread = None
+    try:
+        import _frozen_importlib as bootstrap
+    except ImportError:  # pragma: no cover - CPython always has it
+        return
+    locks = bootstrap._module_locks
+    held = []
+    for name, ref in list(locks.items()):
+        lock = ref()
+        if lock is not None and getattr(lock, "owner", None) == tid:
+            held.append(name)
+            locks.pop(name, None)
+    try:
+        bootstrap._blocking_on.pop(tid, None)
+    except (AttributeError, TypeError):
+        pass
+    half = [name for name in held
+            if getattr(getattr(sys.modules.get(name), "__spec__", None), "_initializing", False)]
+    for name in half:  # a package's finished submodules too: run again, they bind to it again
+        for other in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+            sys.modules.pop(other, None)
+    keys = sys.modules.get("overmind_lab._loading.keys")
+    if keys is not None and hasattr(keys, "forget_prewarm"):
+        keys.forget_prewarm()
 
 
 def _run() -> None:
