@@ -22,6 +22,10 @@ from overmind_lab import Client
 # Zygotes exit with their last owner in tests (Note [Idle zygote]: the default idle time
 # would keep every test's zygote alive for minutes); tests of the idle time set their own.
 os.environ.setdefault("OVERMIND_LAB_ZYGOTE_IDLE", "0")
+# Note [A daemon that does not answer]: 2 s is the default deadline for a daemon's first reply. The
+# suite runs beside CPU burners, where a healthy daemon may be slower; a test that a silent daemon
+# is given up on sets its own deadline (tests/test_trust.py).
+os.environ.setdefault("OVERMIND_LAB_ANSWER_TIMEOUT", "10")
 
 #: Every socket path a test used: the session-end check looks for daemons still serving one.
 _SOCKETS: list[Path] = []

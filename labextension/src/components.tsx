@@ -249,6 +249,18 @@ function DaemonState({
   if (status === null) {
     return <div className="jp-OvermindLab-daemon">Connecting…</div>;
   }
+  if (status.not_answering) {
+    return (
+      <div className="jp-OvermindLab-daemon jp-OvermindLab-daemon-down" title={status.error}>
+        <span className="jp-OvermindLab-dot" aria-hidden="true" />
+        <span className="jp-OvermindLab-daemonText">
+          Daemon{status.pid !== undefined ? ` pid ${status.pid}` : ''} is not answering
+          (stopped or stuck): loads run without the cache. Run{' '}
+          <code>overmind-lab stop --force</code>.
+        </span>
+      </div>
+    );
+  }
   if (!status.running) {
     return (
       <div

@@ -81,6 +81,8 @@ export interface IStatus {
   memory_available_bytes: number | null;
   /** Set when the daemon answered but something was wrong. */
   error?: string;
+  /** A daemon that accepts connections but does not reply (stopped or stuck); `pid` is its. */
+  not_answering?: boolean;
 }
 
 /**

@@ -190,6 +190,8 @@ def entry_row(entry: EntryJson, now: float | None = None) -> list[str]:
 def status_line(status: Status) -> str:
     """``daemon pid 8824 on /run/...sock: 5 entries, 27.5 MiB of 11.8 GiB ...``: the one rendering
     of a status as a line (magics, widget, ``%overmind_status``)."""
+    if status.get("not_answering"):
+        return str(status.get("error"))
     if not status.get("running"):
         error = status.get("error")
         return (
