@@ -17,7 +17,8 @@ from overmind_lab._common.naming import ensure_private_dir, runtime_dir, socket_
 
 __all__ = ["IMPORT_ENV_PREFIXES", "import_env", "environment", "identity", "zygote_dir",
            "ZygotePaths", "ZYGOTE_IDLE_ENV", "zygote_idle_seconds", "ZYGOTE_BOOT_WAIT_ENV",
-           "zygote_boot_wait_seconds"]
+           "zygote_boot_wait_seconds", "ZYGOTE_PACKAGE_CHECK_ENV", "zygote_package_check_seconds",
+           "zygote_processes"]
 
 #: Environment variables (by prefix) that can change what an import does or which threads and
 #: devices it sets up: kernels whose values differ never share a zygote.
@@ -40,12 +41,17 @@ DEFAULT_ZYGOTE_IDLE_S = 300.0
 #: Note [Waiting for a booting zygote]: how long (s) a launch waits for a zygote importing now.
 ZYGOTE_BOOT_WAIT_ENV = "OVERMIND_LAB_ZYGOTE_BOOT_WAIT"
 DEFAULT_ZYGOTE_BOOT_WAIT_S = 30.0
+#: Note [A zygote whose package is gone] (``_zygote/loop.py``): how often (s) a zygote checks that
+#: the overmind-lab it runs is still installed.
+ZYGOTE_PACKAGE_CHECK_ENV = "OVERMIND_LAB_ZYGOTE_PACKAGE_CHECK"
+DEFAULT_ZYGOTE_PACKAGE_CHECK_S = 10.0
 #: Settings of the zygote's own life, not of what imports do: never part of the identity.
 #: Note [Restart timeline]: a file to which the provisioner, the zygote and a forked child append
 #: one JSON line per step of a launch (``benchmarks/_warm_kernel.py`` reads it); unset: nothing.
 #: Not part of the identity. More in docs/notes.md.
 TIMELINE_ENV = "OVERMIND_LAB_TIMELINE"
-_NOT_IMPORT_ENV = frozenset({ZYGOTE_IDLE_ENV, ZYGOTE_BOOT_WAIT_ENV, TIMELINE_ENV})
+_NOT_IMPORT_ENV = frozenset({ZYGOTE_IDLE_ENV, ZYGOTE_BOOT_WAIT_ENV, ZYGOTE_PACKAGE_CHECK_ENV,
+                             TIMELINE_ENV})
 
 
 def _seconds(env: Mapping[str, str] | None, name: str, default: float) -> float:
@@ -67,6 +73,12 @@ def zygote_boot_wait_seconds(env: Mapping[str, str] | None = None) -> float:
     """``$OVERMIND_LAB_ZYGOTE_BOOT_WAIT`` in seconds (``0``: never wait), else
     :data:`DEFAULT_ZYGOTE_BOOT_WAIT_S`."""
     return _seconds(env, ZYGOTE_BOOT_WAIT_ENV, DEFAULT_ZYGOTE_BOOT_WAIT_S)
+
+
+def zygote_package_check_seconds(env: Mapping[str, str] | None = None) -> float:
+    """``$OVERMIND_LAB_ZYGOTE_PACKAGE_CHECK`` in seconds, else
+    :data:`DEFAULT_ZYGOTE_PACKAGE_CHECK_S`."""
+    return _seconds(env, ZYGOTE_PACKAGE_CHECK_ENV, DEFAULT_ZYGOTE_PACKAGE_CHECK_S)
 
 
 def import_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -95,17 +107,69 @@ def identity(interpreter: str, env: Mapping[str, str]) -> str:
     return hashlib.sha256(data.encode()).hexdigest()[:16]
 
 
-def zygote_dir(env: Mapping[str, str] | None = None) -> Path:
-    """The directory of the zygote sockets, created 0700 when it is the per-user default."""
+def zygote_dir(env: Mapping[str, str] | None = None, create: bool = True) -> Path:
+    """The directory of the zygote sockets, created (0700 when it is the per-user default) unless
+    ``create`` is false."""
     env = os.environ if env is None else env
     override = env.get("OVERMIND_LAB_SOCKET")
     if override:
         path = socket_path(override).parent
-        path.mkdir(parents=True, exist_ok=True)
+        if create:
+            path.mkdir(parents=True, exist_ok=True)
         return path
     path = runtime_dir()
-    ensure_private_dir(path)
+    if create:
+        ensure_private_dir(path)
     return path
+
+
+_ZYGOTE_ARGV = [b"-m", b"overmind_lab._zygote", b"--socket"]
+
+
+def _proc_stat(pid: str) -> tuple[int, int]:
+    """``(ppid, session id)`` of ``pid`` from ``/proc/<pid>/stat``."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rpartition(b")")[2].split()
+    return int(fields[1]), int(fields[3])
+
+
+def zygote_processes(directory: Path) -> list[int]:
+    """The pids of this uid's zygotes whose socket lies in ``directory``: booting, serving or
+    retiring, of every Python environment, found by their command line (``python -m
+    overmind_lab._zygote --socket DIRECTORY/zygote-....sock ...``, as ``spawn`` starts them).
+
+    Note [Telling a zygote from its kernels]: a forked kernel keeps the zygote's command line (it
+    never execs). It is no zygote when its parent is one (a child before it became a kernel),
+    nor when it leads its own session (``become`` calls ``setsid``; a kernel whose zygote is gone
+    has another parent): ``spawn``'s shell leads the zygote's session, so a zygote never does."""
+    want = os.path.realpath(directory)
+    uid = os.getuid()
+    found: dict[int, int] = {}  # pid -> ppid
+    try:
+        entries = list(os.scandir("/proc"))
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.name.isdigit():
+            continue
+        try:
+            if entry.stat().st_uid != uid:
+                continue
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            ppid, sid = _proc_stat(entry.name)
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile, or not readable
+        pid = int(entry.name)
+        for i in range(1, len(argv) - len(_ZYGOTE_ARGV)):
+            if argv[i:i + len(_ZYGOTE_ARGV)] == _ZYGOTE_ARGV:
+                sock = os.fsdecode(argv[i + len(_ZYGOTE_ARGV)])
+                name = os.path.basename(sock)
+                if (sid != pid and name.startswith("zygote-") and name.endswith(".sock")
+                        and os.path.realpath(os.path.dirname(sock)) == want):
+                    found[pid] = ppid
+                break
+    return sorted(pid for pid, ppid in found.items() if ppid not in found)
 
 
 class ZygotePaths:

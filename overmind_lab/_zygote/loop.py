@@ -48,7 +48,13 @@ from overmind_lab._common.zygote_client import (
     timeline,
     user_env,
 )
-from overmind_lab._common.zygote_paths import ZygotePaths, identity, zygote_idle_seconds
+from overmind_lab._common.zygote_paths import (
+    ZygotePaths,
+    environment,
+    identity,
+    zygote_idle_seconds,
+    zygote_package_check_seconds,
+)
 from overmind_lab._forked import become
 from overmind_lab._forked.become import INTENDED_DIFFERENCES, ForkTask
 from overmind_lab._zygote import preload
@@ -110,6 +116,11 @@ class _State:
     #: ``time.monotonic()`` of the last fork whose pause was not yet checked for a renewal
     forked_at: float | None = None
     started: float = field(default_factory=time.time)
+    #: Note [A zygote whose package is gone]: the files checked, and when they last were
+    own_files: list[str] = field(default_factory=list)
+    own_checked: float = field(default_factory=time.monotonic)
+    #: Note [Stopping a zygote]: SIGTERM came
+    stopping: bool = False
 
 
 def _threads() -> int:
@@ -243,8 +254,13 @@ def _bind(paths: ZygotePaths) -> tuple[socket.socket, Path]:
     return sock, tmp
 
 
-def boot(paths: ZygotePaths, owners: list[int]) -> _State | None:
-    """Import the preload set and take over the socket; ``None`` if another is booting."""
+def boot(paths: ZygotePaths, owners: list[int],
+         installed: preload.Snapshot | None = None) -> _State | None:
+    """Import the preload set and take over the socket; ``None`` if another is booting.
+    ``installed``: the installation's state before the imports (Note [Installs the zygote sees]
+    in ``preload.py``; taken now if not given)."""
+    if installed is None:
+        installed = preload.install_snapshot()
     lock = os.open(paths.boot_lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -269,7 +285,7 @@ def boot(paths: ZygotePaths, owners: list[int]) -> _State | None:
 
         targets = {str(k): int(v) for k, v in json.loads(out or "{}").items()}
         become.prepare_in_zygote()
-        snap = preload.snapshot()
+        snap = preload.snapshot(installed)
         # Note [Frozen heap]: a kernel's collection would write the GC header of every object the
         # zygote imported, copying its page; frozen, those pages stay shared.
         gc.collect()
@@ -277,7 +293,8 @@ def boot(paths: ZygotePaths, owners: list[int]) -> _State | None:
         refusal = fork_refusal()
         os.rename(tmp, paths.socket)  # Note [Replacing a zygote]
         state = _State(paths, listener, os.stat(paths.socket).st_ino, snap, preloaded,
-                       failed, refusal, targets, import_env, cpus, start_env)
+                       failed, refusal, targets, import_env, cpus, start_env,
+                       own_files=preload.own_files(snap))
         for pid in owners:
             _add_owner(state, pid)
         log.info("zygote %d ready in %.1f s: %d modules, %d files watched%s", os.getpid(),
@@ -330,6 +347,7 @@ def _check_stale(state: _State) -> str | None:
     stale = preload.stale_reason(state.snap, lambda: _reap_exited(state))
     if stale:
         state.retiring = f"stale: {stale}"  # a later fork request is told which file
+        log.info("stale: %s", stale)
         return f"the zygote is stale: {stale}"
     state.checked_at = began
     return None
@@ -363,6 +381,11 @@ def _refuse(state: _State, request: ForkRequest, env: dict[str, str],
         return f"the kernel command is not `python -m MODULE ...`: {argv}"
     if os.path.realpath(argv[0]) != os.path.realpath(sys.executable):
         return f"the kernel's interpreter {argv[0]} is not the zygote's {sys.executable}"
+    # Note [Environments share an interpreter]: a zygote started by a process of another venv
+    # of the same interpreter has that venv's packages
+    if environment(argv[0]) != environment(sys.executable):
+        return (f"the kernel's Python environment {environment(argv[0])} is not the zygote's "
+                f"{environment(sys.executable)}")
     if identity(argv[0], env) != state.paths.ident:
         return "the kernel's import-relevant environment differs from the zygote's"
     since = request.get("checked_since")
@@ -444,8 +467,9 @@ def _handle_fork(state: _State, conn: socket.socket, chan: Channel,
         preloaded=frozenset(state.preloaded),
         inherit=task_inherit, ready_fd=ready_w, start_env=state.start_env, go_fd=go_r,
         go_wait=_standby_wait(request))
-    # Note [Interrupted at birth] in ``_forked/become.py``: the child unblocks SIGINT.
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+    # Note [Interrupted at birth] in ``_forked/become.py``: the child unblocks SIGINT; and
+    # SIGTERM, once its disposition is the default again (Note [Stopping a zygote]).
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT, signal.SIGTERM])
     t0 = time.perf_counter()
     pid = os.fork()
     if pid == 0:
@@ -652,11 +676,38 @@ def _replaced(state: _State) -> bool:
         return True
 
 
+# Note [A zygote whose package is gone]: after ``pip uninstall overmind-lab`` a zygote must not
+# serve on: every ``OVERMIND_LAB_ZYGOTE_PACKAGE_CHECK`` seconds (default 10; a few ``stat``s) it
+# checks that the files of the overmind-lab it runs still exist (its package's ``__init__.py``
+# and ``_zygote`` files; an editable install's source stays, so also its distribution's
+# records: ``METADATA``, ``.pth``, editable finder). When one is gone it retires as a stale
+# zygote does: it stops serving (its socket goes), and exits once its kernels have exited (at
+# once with none); it starts no replacement. An upgrade retires it too (the old ``METADATA``
+# goes): the next launch is plain and starts a zygote of the new version. Without owner nor
+# kernel the idle time (Note [Idle zygote]) ends it anyway.
+def _check_own_package(state: _State) -> None:
+    now = time.monotonic()
+    if state.retiring or now - state.own_checked < zygote_package_check_seconds():
+        return
+    state.own_checked = now
+    for path in state.own_files:
+        if not os.path.exists(path):
+            state.retiring = f"its overmind-lab was uninstalled or replaced: {path} was removed"
+            log.info("%s; exiting once its %d kernel(s) have exited", state.retiring,
+                     len(state.children))
+            return
+
+
 def _loop(state: _State) -> None:
     idle_since: float | None = None
     while True:
+        if state.stopping:
+            log.info("stopped by SIGTERM; %d kernel(s) of this zygote run on",
+                     len(state.children))
+            return
         if state.retiring is None and _replaced(state):
             state.retiring = "replaced by a newer zygote"
+        _check_own_package(state)
         if state.retiring and not state.children:
             return
         # Note [Idle zygote]: with no owner nor kernel, it stays for the idle time so the next run
@@ -701,17 +752,32 @@ def _unlink_own_socket(state: _State) -> None:
         pass
 
 
-def serve(paths: ZygotePaths, owners: list[int]) -> None:
+# Note [Stopping a zygote]: ``overmind-lab stop`` (``kernelspec.stop_zygotes``) sends SIGTERM.
+# While it imports, a zygote dies of it (the default). Once it serves, a handler only sets
+# ``stopping``; the loop sees it within a tick (PEP 475 resumes the ``poll``), leaves, removes
+# its socket if it is still its own (Note [Replacing a zygote]) and exits, its kernels left to
+# run on (their exit statuses are lost to their requesters). A fork blocks SIGTERM with SIGINT
+# (Note [Interrupted at birth]): the child inherits the handler, which must never run there,
+# and unblocks both only after ``become`` reset every disposition to the default; a SIGTERM
+# sent to the new kernel meanwhile is delivered then and ends it.
+def serve(paths: ZygotePaths, owners: list[int],
+          installed: preload.Snapshot | None = None) -> None:
     """Boot and serve until the zygote is done (a forked child never returns here)."""
-    state = boot(paths, owners)
+    state = boot(paths, owners, installed)
     if state is None:
         return
+
+    def stop(_signum: int, _frame: object) -> None:
+        state.stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
     _loop(state)
     _unlink_own_socket(state)
     state.listener.close()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, installed: preload.Snapshot | None = None) -> int:
+    """The zygote; ``installed``: Note [Installs the zygote sees] (``__main__.py`` takes it)."""
     parser = argparse.ArgumentParser(prog="python -m overmind_lab._zygote")
     parser.add_argument("--socket", required=True)
     parser.add_argument("--identity", required=True)
@@ -726,7 +792,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     socket_path = Path(args.socket)
     paths = ZygotePaths(socket_path.parent, args.identity)
-    serve(paths, args.owner)
+    serve(paths, args.owner, installed)
     return 0
 
 

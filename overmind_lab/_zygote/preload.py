@@ -10,15 +10,19 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import site
 import sys
 import sysconfig
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from overmind_lab._common.learned import is_third_party, read_learned, third_party_modules
 
 __all__ = [
-    "DEFAULT_PRELOAD", "PRELOAD_ENV", "class_module_candidates", "import_third_party",
-    "preload_overmind", "read_learned", "snapshot", "stale_reason", "third_party_modules",
+    "DEFAULT_PRELOAD", "PRELOAD_ENV", "Snapshot", "class_module_candidates", "import_third_party",
+    "install_change", "install_snapshot", "own_files", "preload_overmind", "read_learned",
+    "snapshot", "stale_reason", "third_party_modules",
 ]
 
 DEFAULT_PRELOAD = (
@@ -84,43 +88,271 @@ def preload_overmind() -> None:
         getattr(overmind_lab, attr)
 
 
-Snapshot = dict[str, tuple[int, int]]
+# Note [Installs the zygote sees]: ``site`` reads the ``.pth`` files once, as an interpreter
+# starts (editable installs' paths and finders), and libraries note at import what else is
+# installed; so a zygote whose installation changed would fork kernels unlike a plain one (a
+# package installed since: ``ModuleNotFoundError``). Besides each imported module's file, the
+# snapshot checked before each fork (Note [Checked while the old kernel exits] in ``loop.py``)
+# watches, any change making the zygote stale (the launch plain, a new zygote started):
+#
+# - the installation's folders on ``sys.path`` and those ``site`` scans: ``getsitepackages()``,
+#   the user site where enabled (absent too: one created later counts), the install scheme's,
+#   those in the interpreter's ``lib`` folders, those named ``site-packages``, those an
+#   installer wrote a distribution into: their ``stat``, so an entry made or removed (a
+#   ``.pth``, a ``.dist-info``, an editable finder, a module) is a change, but ``__pycache__``;
+# - in them, each ``.pth``, ``.egg-link``, editable finder (``__editable__*``, ``_editable*``),
+#   distribution's ``METADATA``/``PKG-INFO``; and whether each folder a ``.pth`` names exists.
+#
+# Not the folders of the user's own code on ``sys.path`` (an editable project's root, a
+# ``PYTHONPATH`` folder without distributions): each notebook saved there would renew the
+# zygote, and a module added there is found by a forked kernel anyway (Note [Import caches after
+# the fork]). Two orders matter. ``__main__.py`` reads the installation before any of the
+# zygote's imports, so an install during them is seen at the first fork. And a folder's mtime
+# has the file system clock's tick (ms; FAT: 2 s): a later change in the same tick leaves it as
+# it was, so each folder is listed before its ``stat``, and one changed less than ``_RACY_NS``
+# before has its entries compared on each check until it is older (git's "racily clean").
+# Cost: 8 ``stat``s more per check here (0.01 ms; the 5 ms of 3,300 files with torch,
+# transformers and diffusers are the modules' and the ``METADATA`` already checked). More in
+# docs/notes.md.
+
+#: ``(st_mtime_ns, st_size, st_ino)`` of a file or folder as the zygote saw it.
+Stat = tuple[int, int, int]
+
+#: Note [Installs the zygote sees]: a folder changed this recently (ns) when it was stat'ed may
+#: change again within the same timestamp tick; its entries are compared until it is older.
+_RACY_NS = 2_000_000_000
+#: Entries of a watched folder that change no import when they come or go.
+_IGNORED_ENTRIES = frozenset({"__pycache__"})
+#: The install records in a watched folder, each stat'ed on every check (besides every
+#: distribution's ``METADATA`` or ``PKG-INFO``): ``.pth`` files, legacy editable links, editable
+#: finders (setuptools' ``__editable__*``, scikit-build-core's ``_editable_*``).
+_RECORD_SUFFIXES = (".pth", ".egg-link")
+_RECORD_PREFIXES = ("__editable__", "_editable")
 
 
-def _stat(path: str) -> tuple[int, int] | None:
+@dataclass
+class Snapshot:
+    """What the zygote's imports depended on (Note [Installs the zygote sees])."""
+
+    #: every imported module's file
+    modules: dict[str, Stat] = field(default_factory=dict)
+    #: the watched folders (``None``: absent)
+    folders: dict[str, Stat | None] = field(default_factory=dict)
+    #: the entries of each watched folder that exists, listed before its ``stat``
+    listings: dict[str, frozenset[str]] = field(default_factory=dict)
+    #: folders whose mtime was too recent to show a change made in the same tick
+    racy: set[str] = field(default_factory=set)
+    #: the install records in them (``None``: absent)
+    records: dict[str, Stat | None] = field(default_factory=dict)
+    #: the folder a ``.pth`` line names -> (whether it existed, that ``.pth`` file)
+    named: dict[str, tuple[bool, str]] = field(default_factory=dict)
+    #: the records of the ``overmind-lab`` distribution itself (its metadata, ``.pth``, finder)
+    own_records: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.modules) + len(self.folders) + len(self.records) + len(self.named)
+
+
+def _stat(path: str) -> Stat | None:
     try:
         st = os.stat(path)
     except OSError:
         return None
-    return (st.st_mtime_ns, st.st_size)
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
 
 
-def snapshot() -> Snapshot:
-    """(mtime, size) of every imported module's file and every installed dist-info."""
-    files = {m.__file__ for m in list(sys.modules.values())
-             if isinstance(getattr(m, "__file__", None), str)}
-    for root in {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}:
-        try:
-            entries = list(os.scandir(root))
-        except OSError:
-            continue
-        files.update(os.path.join(e.path, "METADATA") for e in entries
-                     if e.name.endswith(".dist-info"))
-    out: Snapshot = {}
-    for f in files:
-        st = _stat(f)  # type: ignore[arg-type]
-        if st is not None:
-            out[f] = st  # type: ignore[index]
+def _listing(folder: str) -> frozenset[str] | None:
+    try:
+        return frozenset(os.listdir(folder))
+    except OSError:
+        return None
+
+
+def _site_folders() -> list[str]:
+    """The folders a fresh interpreter's ``site`` scans for ``.pth`` files (the user site only
+    where it is enabled, whether or not it exists yet), and the install scheme's."""
+    out: list[str] = []
+    try:
+        out += site.getsitepackages()
+    except AttributeError:  # an old virtualenv's site module
+        pass
+    if site.ENABLE_USER_SITE:
+        out.append(site.getusersitepackages())
+    paths = sysconfig.get_paths()
+    out += [paths[k] for k in ("purelib", "platlib") if k in paths]
     return out
 
 
+def _lib_roots() -> tuple[str, ...]:
+    """The interpreter's ``lib`` folders (the standard library, ``python3X.zip``, site folders),
+    each ending with a separator: not the prefixes themselves (a project in ``/usr/src/app`` is
+    the user's code where the prefix is ``/usr``)."""
+    libs = {"lib", "lib64", getattr(sys, "platlibdir", "lib")}
+    return tuple({os.path.join(os.path.abspath(prefix), lib, "") for lib in libs for prefix in (
+        sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)})
+
+
+def _is_installation(folder: str, names: frozenset[str] | None, sites: set[str],
+                     libs: tuple[str, ...]) -> bool:
+    """Whether a folder on ``sys.path`` is the installation's (watched), not the user's own code:
+    a site folder, one in the interpreter's ``lib`` folders, or one an installer wrote
+    distributions into (``pip install --target``, a ``PYTHONPATH`` folder of packages)."""
+    return (folder in sites or folder.startswith(libs)
+            or os.path.basename(folder) in ("site-packages", "dist-packages")
+            or any(n.endswith((".dist-info", ".egg-info")) for n in names or ()))
+
+
+def _records(folder: str, names: frozenset[str]) -> list[str]:
+    out = []
+    for name in sorted(names):
+        path = os.path.join(folder, name)
+        if name.endswith(".dist-info"):
+            out.append(os.path.join(path, "METADATA"))
+        elif name.endswith(".egg-info"):
+            out.append(os.path.join(path, "PKG-INFO") if os.path.isdir(path) else path)
+        elif name.endswith(_RECORD_SUFFIXES) or name.startswith(_RECORD_PREFIXES):
+            out.append(path)
+    return out
+
+
+def _named_by(pth: str, folder: str, named: dict[str, tuple[bool, str]]) -> None:
+    """The folders the path lines of ``pth`` name: ``site`` adds those that exist."""
+    try:
+        with open(pth, "rb") as f:
+            text = f.read().decode("utf-8-sig", errors="replace")
+    except OSError:
+        return
+    for line in text.splitlines():
+        if not line.strip() or line.startswith(("#", "import ", "import\t")):
+            continue
+        path = os.path.abspath(os.path.join(folder, line.rstrip()))
+        named.setdefault(path, (os.path.exists(path), pth))
+
+
+def _is_own(record: str, folder: str) -> bool:
+    """Whether ``record`` (in ``folder``) belongs to the ``overmind-lab`` distribution."""
+    entry = os.path.relpath(record, folder).split(os.sep)[0]
+    return "overmind_lab" in entry.lower().replace("-", "_").replace(".", "_")
+
+
+def install_snapshot() -> Snapshot:
+    """The installation the zygote imports from, now (Note [Installs the zygote sees])."""
+    snap = Snapshot()
+    libs = _lib_roots()
+    sites = {os.path.abspath(p) for p in _site_folders()}
+    for folder in dict.fromkeys([*sorted(sites), *(os.path.abspath(p) for p in sys.path if p)]):
+        began = time.time_ns()
+        names = _listing(folder)  # before the stat: Note [Installs the zygote sees]
+        st = _stat(folder)
+        if not _is_installation(folder, names, sites, libs):
+            continue
+        snap.folders[folder] = st
+        if names is None:
+            continue
+        snap.listings[folder] = names
+        if st is not None and st[0] + _RACY_NS > began:
+            snap.racy.add(folder)
+        for record in _records(folder, names):
+            snap.records[record] = _stat(record)
+            if record.endswith(".pth"):
+                _named_by(record, folder, snap.named)
+            if _is_own(record, folder):
+                snap.own_records.append(record)
+    return snap
+
+
+def snapshot(installed: Snapshot | None = None) -> Snapshot:
+    """``installed`` (taken before the imports; else the installation now) and the (mtime, size,
+    inode) of every imported module's file."""
+    snap = install_snapshot() if installed is None else installed
+    files = {m.__file__ for m in list(sys.modules.values())
+             if isinstance(getattr(m, "__file__", None), str)}
+    for f in files:
+        st = _stat(f)  # type: ignore[arg-type]
+        if st is not None:
+            snap.modules[f] = st  # type: ignore[index]
+    return snap
+
+
+def _how(before: Stat | None, now: Stat | None) -> str:
+    return "was created" if before is None else "was removed" if now is None else "changed"
+
+
+def _few(names: frozenset[str]) -> str:
+    shown = sorted(names)
+    more = f" and {len(shown) - 4} more" if len(shown) > 4 else ""
+    return ", ".join(shown[:4]) + more
+
+
+def _folder_change(snap: Snapshot, folder: str, before: Stat | None, now: Stat | None,
+                   began: int) -> str | None:
+    """Why ``folder`` now finds other entries than at the snapshot; ``None`` when only ignored
+    ones changed (then its new state is the one compared from now on)."""
+    if before is None or now is None:
+        if before == now:  # absent then and now
+            snap.racy.discard(folder)
+            return None
+        return f"{folder} {_how(before, now)} since the zygote started"
+    names, old = _listing(folder), snap.listings.get(folder)
+    if names is None or old is None:
+        return f"{folder} changed since the zygote started"
+    added, removed = names - old - _IGNORED_ENTRIES, old - names - _IGNORED_ENTRIES
+    if added or removed:
+        what = [*([f"added {_few(added)}"] if added else []),
+                *([f"removed {_few(removed)}"] if removed else [])]
+        return f"{folder} changed since the zygote started ({'; '.join(what)})"
+    snap.folders[folder], snap.listings[folder] = now, names
+    if now[0] + _RACY_NS > began:
+        snap.racy.add(folder)
+    else:
+        snap.racy.discard(folder)
+    return None
+
+
+def install_change(snap: Snapshot) -> str | None:
+    """What changed in the installation since ``snap`` (Note [Installs the zygote sees]), as a
+    reason; else ``None``."""
+    began = time.time_ns()
+    for folder, before in list(snap.folders.items()):
+        now = _stat(folder)
+        if now != before or folder in snap.racy:
+            why = _folder_change(snap, folder, before, now, began)
+            if why:
+                return why
+    for path, before in snap.records.items():
+        now = _stat(path)
+        if now != before:
+            return f"{path} {_how(before, now)} since the zygote started"
+    for path, (existed, pth) in snap.named.items():
+        if os.path.exists(path) != existed:
+            return (f"{path}, which {pth} names, "
+                    f"{'was removed' if existed else 'was created'} since the zygote started")
+    return None
+
+
 def stale_reason(snap: Snapshot, meanwhile: Callable[[], None] | None = None) -> str | None:
-    """The first file that changed or vanished since ``snap``, as a reason; else ``None``.
-    ``meanwhile`` is called after every 256 files."""
-    for i, (path, st) in enumerate(snap.items()):
+    """The first change since ``snap``: of the installation, or of a file the zygote imported, as
+    a reason; else ``None``. ``meanwhile`` is called after every 256 files."""
+    why = install_change(snap)
+    if why:
+        return why
+    for i, (path, st) in enumerate(snap.modules.items()):
         if meanwhile is not None and i % 256 == 255:
             meanwhile()
         now = _stat(path)
         if now != st:
             return f"{path} {'changed' if now else 'was removed'} since the zygote imported it"
     return None
+
+
+def own_files(snap: Snapshot) -> list[str]:
+    """Note [A zygote whose package is gone] (``loop.py``): the files whose removal means that
+    the overmind-lab this zygote runs was uninstalled: its package's own files and the records of
+    its distribution that existed at the snapshot."""
+    import overmind_lab
+
+    package = os.path.dirname(os.path.abspath(overmind_lab.__file__ or ""))
+    here = os.path.dirname(os.path.abspath(__file__))
+    files = [os.path.join(package, "__init__.py"), os.path.join(here, "loop.py"),
+             os.path.join(here, "__main__.py")]
+    return [*files, *(r for r in snap.own_records if snap.records.get(r) is not None)]
