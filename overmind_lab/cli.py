@@ -7,8 +7,9 @@
     overmind-lab ls [--json]                         cached entries and their statistics
     overmind-lab evict KEY | --all                   drop entries (held copies keep working)
     overmind-lab refresh KEY                         reload an entry from its source
-    overmind-lab stop [--force]                      stop the daemon (--force: kill one
-                                                     that does not answer)
+    overmind-lab stop [--force]                      stop the daemon and the zygotes
+                                                     (--force: kill a daemon that does
+                                                     not answer)
     overmind-lab bench PATH [--class NAME] [--dtype D] [--repeat N]
                                                      load times of a model folder: plain,
                                                      cold, warm, after a daemon restart
@@ -120,9 +121,17 @@ def cmd_refresh(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
+    from overmind_lab._common.naming import socket_path
+    from overmind_lab._jupyter_server.kernelspec import stop_zygotes
+
     stopped = _client(args).stop(force=args.force)
+    # Note [Stopping a zygote]: every zygote beside the socket, of every Python environment;
+    # their kernels run on
+    zygotes = stop_zygotes(socket_path(args.socket).parent)
     print("stopped" if stopped else "not running")
-    return 0 if stopped else NOT_RUNNING
+    if zygotes:
+        print(f"stopped {len(zygotes)} zygote(s): {', '.join(map(str, zygotes))}")
+    return 0  # nothing left running either way: `set -e` scripts go on
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -173,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     evict.add_argument("--all", action="store_true", help="evict every entry")
     refresh = add("refresh", cmd_refresh, "reload an entry from its source")
     refresh.add_argument("key", help="entry key or unique key prefix")
-    stop = add("stop", cmd_stop, "stop the daemon", json_flag=False)
+    stop = add("stop", cmd_stop, "stop the daemon and the warm-kernel zygotes",
+               json_flag=False)
     stop.add_argument("--force", action="store_true",
                       help="kill a daemon that does not answer or does not stop in time")
     from overmind_lab import measure

@@ -231,7 +231,7 @@ def request_fork(cmd: list[str], env: dict[str, str], cwd: str,
         except OSError as exc:
             if standby:  # the launch's own request starts one
                 raise WarmUnavailable(f"no zygote is running ({exc.strerror})") from exc
-            spawn(paths, owners=[os.getpid()], env=env)
+            spawn(paths, owners=[os.getpid()], env=env, python=cmd[0])
             raise WarmUnavailable(f"no zygote was running ({exc.strerror}); started one "
                                   "for the next launch") from exc
         chan = Channel(sock, _FORK_TIMEOUT)
@@ -252,7 +252,7 @@ def request_fork(cmd: list[str], env: dict[str, str], cwd: str,
         sock.close()
         reason = str(cast(ZygoteRefusal, reply).get("reason") or "no reason given")
         if "stale" in reason and not standby:  # a standby's launch asks again
-            spawn(paths, owners=[os.getpid()], env=env)
+            spawn(paths, owners=[os.getpid()], env=env, python=cmd[0])
             reason += "; started a fresh zygote for the next launch"
         raise WarmUnavailable(f"the zygote refused to fork: {reason}")
     pid = cast(ForkReply, reply).get("pid")
@@ -287,8 +287,11 @@ def _inode(path: Path) -> int | None:
         return None
 
 
-def spawn(paths: ZygotePaths, owners: list[int], env: dict[str, str]) -> None:
-    """Start a zygote for ``paths`` in the background, detached (not our child)."""
+def spawn(paths: ZygotePaths, owners: list[int], env: dict[str, str],
+          python: str | None = None) -> None:
+    """Start a zygote for ``paths`` in the background, detached (not our child), run by
+    ``python`` (default: this interpreter): the kernel's, whose environment it must have
+    (Note [Environments share an interpreter])."""
     env = {k: v for k, v in env.items() if not k.startswith("JPY_")}
     for k in ZYGOTE_ONLY_ENV:
         if k in env and _ORIG + k not in env:
@@ -297,7 +300,7 @@ def spawn(paths: ZygotePaths, owners: list[int], env: dict[str, str]) -> None:
     # the child sets a fresh process's count.
     env["OPENBLAS_NUM_THREADS"] = "1"
     env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
-    cmd = [sys.executable, "-m", "overmind_lab._zygote", "--socket",
+    cmd = [python or sys.executable, "-m", "overmind_lab._zygote", "--socket",
            str(paths.socket), "--identity", paths.ident,
            *[a for pid in owners for a in ("--owner", str(pid))]]
     log_fd = os.open(paths.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)

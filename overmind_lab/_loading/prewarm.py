@@ -35,9 +35,9 @@ its ``after_in_parent`` released a lock its ``before`` never took. Now a fork do
    ``importlib._bootstrap._module_locks`` (the next import makes a fresh one) and each module it was
    still running is removed from ``sys.modules``, with its submodules (the next import runs them
    from the start, as in a fresh process; a finished submodule left there would not be bound to
-   the package's new module object again); the scans it made are forgotten (they were not checked against the search
-   path's state: ``keys.forget_prewarm``). The child starts no thread of its own: it does the work
-   at its first call, as without the thread.
+   the package's new module object again); the scans it made are forgotten (they were not
+   checked against the search path's state: ``keys.forget_prewarm``). The child starts no
+   thread of its own: it does the work at its first call, as without the thread.
 3. The thread holds no lock of ours while it scans (the caches are ``lru_cache``s, filled whole),
    so nothing else of ours can be left held.
 """
@@ -106,7 +106,7 @@ def _after_fork_in_child() -> None:
         import _frozen_importlib as bootstrap
     except ImportError:  # pragma: no cover - CPython always has it
         return
-    locks = bootstrap._module_locks
+    locks = bootstrap._module_locks  # type: ignore[attr-defined]
     held = []
     for name, ref in list(locks.items()):
         lock = ref()
@@ -114,7 +114,7 @@ def _after_fork_in_child() -> None:
             held.append(name)
             locks.pop(name, None)
     try:
-        bootstrap._blocking_on.pop(tid, None)
+        bootstrap._blocking_on.pop(tid, None)  # type: ignore[attr-defined]
     except (AttributeError, TypeError):
         pass
     half = [name for name in held
