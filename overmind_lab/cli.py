@@ -77,23 +77,36 @@ def cmd_status(args: argparse.Namespace) -> int:
               f"{format_size(status.get('resident_bytes', 0))} resident in memory")
         print(f"evicted      {format_size(status['evicted_mapped_bytes'])} still mapped "
               "by processes")
+        gone = status.get("source_gone_recent") or []
+        if status.get("source_gone_entries"):
+            from overmind_lab._common.display import format_ago
+
+            last = gone[0] if gone else None
+            print(f"let go       {status['source_gone_entries']} entr"
+                  f"{'y' if status['source_gone_entries'] == 1 else 'ies'} whose source file "
+                  "went away" + (f" (last: {last['name']}, {last['why']}, "
+                                 f"{format_ago(last['at'])})" if last else ""))
         print(f"memory       {format_size(status['memory_available_bytes'])} available of "
               f"{format_size(status['memory_total_bytes'])}")
     return 0 if status["running"] else NOT_RUNNING
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from overmind_lab._common.display import ENTRY_HEADERS, entry_row, text_table
+    from overmind_lab._common.display import ENTRY_HEADERS, entry_row, format_ago, text_table
 
-    entries = _client(args).entries()
+    client = _client(args)
+    entries = client.entries()
     if args.json:
         _print_json(entries)
         return 0
     if not entries:
         print("no cached entries")
-        return 0
-    rows = [[e["key"][:12], *entry_row(e)] for e in entries]
-    print(text_table(("key", *ENTRY_HEADERS), rows, right=(2, 3, 4, 5, 6, 7)))
+    else:
+        rows = [[e["key"][:12], *entry_row(e)] for e in entries]
+        print(text_table(("key", *ENTRY_HEADERS), rows, right=(2, 3, 4, 5, 6, 7)))
+    for gone in client.status().get("source_gone_recent") or []:  # Note [Sources let go]
+        print(f"let go: {gone['key'][:12]} {gone['name']}: {gone['why']} "
+              f"({format_ago(gone['at'])}): {gone['path']}")
     return 0
 
 

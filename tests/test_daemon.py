@@ -83,18 +83,35 @@ def test_a_second_uid_cannot_use_the_daemon(daemon: Client, sock_path: Path) -> 
                 "from overmind_lab import Client; "
                 f"print(json.dumps(Client({str(sock_path)!r}).status()))")
         as_nobody = [*NOBODY, python, "-c", code]
-        # The 0700 directory already keeps other users out...
-        sock_path.parent.chmod(0o700)
-        out = subprocess.run(as_nobody, capture_output=True, text=True, timeout=60)
-        assert out.returncode == 0, out.stderr
-        assert "permission denied" in json.loads(out.stdout)["error"].lower()
-        # ...and with the file system opened up, the daemon itself refuses (SO_PEERCRED).
+        # Our client, as uid 65534, believes no folder of another user's (Note [Trust no
+        # neighbour])...
         sock_path.parent.chmod(0o755)
-        sock_path.chmod(0o777)
         out = subprocess.run(as_nobody, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
-        status = json.loads(out.stdout)
-    assert status["running"] is False
+        assert "belongs to uid 0" in json.loads(out.stdout)["error"], out.stdout
+    # ...and a raw client that asks anyway, through a file system opened up, is refused by the
+    # daemon itself (SO_PEERCRED)
+    sock_path.chmod(0o777)
+    raw = ("import json, socket, struct, sys\n"
+           "s = socket.socket(socket.AF_UNIX)\n"
+           f"s.connect({str(sock_path)!r})\n"
+           "body = json.dumps({'op': 'status'}).encode()\n"
+           "try:\n"
+           "    s.sendall(struct.pack('>I', len(body)) + body)\n"
+           "except OSError:\n"
+           "    pass\n"
+           "data = b''\n"
+           "while True:\n"
+           "    chunk = s.recv(65536)\n"
+           "    if not chunk:\n"
+           "        break\n"
+           "    data += chunk\n"
+           "print(data[4:].decode())\n")
+    out = subprocess.run([*NOBODY, python, "-c", raw], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    status = json.loads(out.stdout)
+    assert status["ok"] is False
     assert "does not serve uid 65534" in status["error"]
     assert daemon.status()["running"]
 

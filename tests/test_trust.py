@@ -260,3 +260,15 @@ def test_a_daemon_resumed_is_asked_again(daemon: Client) -> None:
     assert again["outcomes"] == ["cold", "cold"] and again["warnings"] == []
     assert not daemon.path.with_name(daemon.path.name + ".silent").exists()
     assert daemon.status()["pid"] == pid
+
+
+def test_serve_refuses_a_socket_folder_others_can_write(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    proc = subprocess.run([sys.executable, "-m", "overmind_lab", "serve", "--detach",
+                           "--socket", str(shared / "d.sock"),
+                           "--cache-dir", str(tmp_path / "cache")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "every user can write" in proc.stderr, proc
+    assert list(shared.iterdir()) == []

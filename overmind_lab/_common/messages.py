@@ -13,7 +13,7 @@ __all__ = [
     "ReserveRequest", "SourceRecord", "LinkRequest", "SegmentSpec", "ReplaySpec", "StoreRequest",
     "ReportRequest", "Request", "OkReply", "ErrorReply", "Status", "StatusReply", "WireSegment",
     "WireEntry", "HitReply", "LeaseReply", "WaitReply", "LookupReply", "NewSegment", "ReserveReply",
-    "LinkReply", "StoreReply", "RefreshState", "EntryJson", "ListReply", "EvictReply",
+    "LinkReply", "StoreReply", "RefreshState", "SourceGone", "EntryJson", "ListReply", "EvictReply",
     "RefreshReply", "StopReply", "Reply", "RefreshJob", "RefreshResult", "ZygoteOp", "ZYGOTE_OPS",
     "ForkRequest", "ZygoteOpRequest", "ZygoteRequest", "ForkReply", "ZygoteRefusal", "ExitReport",
     "ZygoteStatus", "ReplaceReply", "ZygoteReply",
@@ -138,6 +138,17 @@ class _StatusFields(TypedDict):
     socket: str
 
 
+class SourceGone(TypedDict):
+    """An entry the daemon let go because the source file it held went away (Note [Sources let
+    go] in ``_daemon/server.py``)."""
+    key: str
+    name: str
+    path: str  # the source file
+    why: str  # "source deleted", "source replaced" or "source changed"
+    detail: str  # the log's sentence
+    at: float  # epoch seconds
+
+
 class Status(_StatusFields, total=False):
     """The Status JSON (``docs/internals.md``): a running daemon sends all but ``error``; else
     ``running`` (false), ``socket`` and ``error`` (the REST route adds the memory keys)."""
@@ -157,9 +168,14 @@ class Status(_StatusFields, total=False):
     unsaved: int
     evicted_mapped_bytes: int
     entries: int
+    #: entries let go since the start because their source file went away, and the last few,
+    #: most recent first (Note [Sources let go])
+    source_gone_entries: int
+    source_gone_recent: list[SourceGone]
     memory_total_bytes: int | None
     memory_available_bytes: int | None
     error: str
+    not_answering: bool  # a daemon that accepts but does not reply (pid: its pid, if known)
 
 
 class StatusReply(Status, OkReply):

@@ -1,10 +1,25 @@
-"""Sizes: parsing and formatting human sizes, and the system's memory (``/proc/meminfo``)."""
+"""Sizes: parsing and formatting human sizes, the system's memory (``/proc/meminfo``), and
+durations from the environment (``env_seconds``)."""
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Mapping
 
-__all__ = ["parse_size", "format_size", "meminfo", "total_memory", "available_memory"]
+__all__ = ["parse_size", "format_size", "meminfo", "total_memory", "available_memory",
+           "env_seconds"]
+
+
+def env_seconds(name: str, default: float, env: Mapping[str, str] | None = None, *,
+                zero: bool = False) -> float:
+    """Seconds from the variable ``name`` of ``env`` (default: this process's environment);
+    ``default`` when it is unset, not a number, negative, or 0 where ``zero`` is false."""
+    try:
+        value = float((os.environ if env is None else env).get(name, default))
+    except ValueError:
+        return default
+    return value if value > 0 or (zero and value == 0) else default
 
 _UNITS = {
     "": 1, "b": 1,

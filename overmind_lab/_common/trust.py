@@ -39,7 +39,7 @@ from overmind_lab._common.naming import SOCKET_ENV
 from overmind_lab._common.protocol import peer_credentials
 from overmind_lab._errors import OvermindError
 
-__all__ = ["Untrusted", "check_folder", "check_server", "open_private", "unsafe_parent",
+__all__ = ["Untrusted", "check_folder", "check_server", "open_private", "replaceable_above",
            "others_can_replace"]
 
 
@@ -66,12 +66,14 @@ def check_folder(folder: Path, what: str = "socket") -> None:
         why = f"belongs to uid {st.st_uid}, not to you (uid {me})"
     elif mode & 0o002:
         why = f"every user can write it (mode {mode:04o})"
-    elif mode & 0o020 and _others_in_group(st.st_gid):
+    elif mode & 0o020 and others_in_group(st.st_gid):
         why = f"the other users of group {st.st_gid} can write it (mode {mode:04o})"
     if why is None:
-        parent = unsafe_parent(folder / "x", what=f"the {what} folder {folder}")
-        if parent is not None:
-            raise Untrusted(f"refusing {parent}; {_remedy()}")
+        above = replaceable_above(folder / "x")
+        if above is not None:
+            raise Untrusted(f"refusing the {what} folder {folder}: it lies in {above[0]}, "
+                            f"which {above[1]}: that user could swap it for one of theirs; "
+                            f"{_remedy()}")
         return
     raise Untrusted(f"refusing the {what} folder {folder}: it {why}, so another user could "
                     f"bind the {what}'s name first and receive your requests; {_remedy()}")
@@ -98,16 +100,17 @@ def open_private(path: Path) -> int | None:
         return None
     st = os.fstat(fd)
     if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o002
-            or (st.st_mode & 0o020 and _others_in_group(st.st_gid))):
+            or (st.st_mode & 0o020 and others_in_group(st.st_gid))):
         os.close(fd)
         return None
     return fd
 
 
-def unsafe_parent(path: Path, what: str | None = None) -> str | None:
-    """Why another user could replace ``path`` (or a folder above it, or one its links lead to):
-    writable by them without the sticky bit, or theirs (non-root); else ``None``."""
-    what = what or str(path)
+def replaceable_above(path: Path) -> tuple[Path, str] | None:
+    """The first folder above ``path`` (as named, or as its links lead) whose entries another
+    user could rename or remove, and why (theirs, non-root; or writable by them without the
+    sticky bit); ``None`` when there is none. A folder that does not exist yet (made later, by
+    us) or cannot be searched (nothing there to replace) is passed over."""
     seen: set[str] = set()
     for start in (path.parent, Path(os.path.realpath(path.parent))):
         for folder in (start, *start.parents):
@@ -116,14 +119,13 @@ def unsafe_parent(path: Path, what: str | None = None) -> str | None:
             seen.add(str(folder))
             try:
                 st = os.stat(folder)
-            except FileNotFoundError:
-                continue  # created below, by us, with our umask
+            except (FileNotFoundError, NotADirectoryError, PermissionError):
+                continue
             except OSError as exc:
-                return f"{what}: cannot check {folder} above it: {exc}"
+                return folder, f"cannot be checked ({exc})"
             why = others_can_replace(st)
             if why is not None:
-                return (f"{what}: it lies in {folder}, which {why}: that user could swap it "
-                        "for one of theirs")
+                return folder, why
     return None
 
 
@@ -135,14 +137,14 @@ def others_can_replace(st: os.stat_result) -> str | None:
         return None  # sticky: only a file's owner may rename or delete it
     if st.st_mode & 0o002:
         return f"every user can write (mode {stat.S_IMODE(st.st_mode):04o}, no sticky bit)"
-    if st.st_mode & 0o020 and _others_in_group(st.st_gid):
+    if st.st_mode & 0o020 and others_in_group(st.st_gid):
         return (f"the users of group {st.st_gid} can write (mode "
                 f"{stat.S_IMODE(st.st_mode):04o}, no sticky bit)")
     return None
 
 
 @functools.lru_cache(maxsize=64)
-def _others_in_group(gid: int) -> bool:
+def others_in_group(gid: int) -> bool:
     """Whether a user other than us is in group ``gid`` (a private group has none)."""
     import grp
     import pwd

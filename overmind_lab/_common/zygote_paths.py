@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from overmind_lab._common.naming import ensure_private_dir, runtime_dir, socket_path
+from overmind_lab._common.sizes import env_seconds
 
 __all__ = ["IMPORT_ENV_PREFIXES", "import_env", "environment", "identity", "zygote_dir",
            "ZygotePaths", "ZYGOTE_IDLE_ENV", "zygote_idle_seconds", "ZYGOTE_BOOT_WAIT_ENV",
@@ -54,31 +55,22 @@ _NOT_IMPORT_ENV = frozenset({ZYGOTE_IDLE_ENV, ZYGOTE_BOOT_WAIT_ENV, ZYGOTE_PACKA
                              TIMELINE_ENV})
 
 
-def _seconds(env: Mapping[str, str] | None, name: str, default: float) -> float:
-    value = (os.environ if env is None else env).get(name, "")
-    try:
-        seconds = float(value)
-    except ValueError:
-        return default
-    return seconds if seconds >= 0 else default
-
-
 def zygote_idle_seconds(env: Mapping[str, str] | None = None) -> float:
     """``$OVERMIND_LAB_ZYGOTE_IDLE`` in seconds (``0``: exit with the last owner), else
     :data:`DEFAULT_ZYGOTE_IDLE_S`."""
-    return _seconds(env, ZYGOTE_IDLE_ENV, DEFAULT_ZYGOTE_IDLE_S)
+    return env_seconds(ZYGOTE_IDLE_ENV, DEFAULT_ZYGOTE_IDLE_S, env, zero=True)
 
 
 def zygote_boot_wait_seconds(env: Mapping[str, str] | None = None) -> float:
     """``$OVERMIND_LAB_ZYGOTE_BOOT_WAIT`` in seconds (``0``: never wait), else
     :data:`DEFAULT_ZYGOTE_BOOT_WAIT_S`."""
-    return _seconds(env, ZYGOTE_BOOT_WAIT_ENV, DEFAULT_ZYGOTE_BOOT_WAIT_S)
+    return env_seconds(ZYGOTE_BOOT_WAIT_ENV, DEFAULT_ZYGOTE_BOOT_WAIT_S, env, zero=True)
 
 
 def zygote_package_check_seconds(env: Mapping[str, str] | None = None) -> float:
     """``$OVERMIND_LAB_ZYGOTE_PACKAGE_CHECK`` in seconds, else
     :data:`DEFAULT_ZYGOTE_PACKAGE_CHECK_S`."""
-    return _seconds(env, ZYGOTE_PACKAGE_CHECK_ENV, DEFAULT_ZYGOTE_PACKAGE_CHECK_S)
+    return env_seconds(ZYGOTE_PACKAGE_CHECK_ENV, DEFAULT_ZYGOTE_PACKAGE_CHECK_S, env, zero=True)
 
 
 def import_env(env: Mapping[str, str]) -> dict[str, str]:

@@ -10,9 +10,10 @@ import stat
 from pathlib import Path
 
 from overmind_lab._common.naming import CACHE_DIR_ENV
+from overmind_lab._common.trust import replaceable_above
 
-__all__ = ["CacheDirRefused", "FALLBACK_FILESYSTEMS", "check_cache_dir", "open_cache_dir",
-           "unsafe_parent", "filesystem_type"]
+__all__ = ["CacheDirRefused", "CacheDirUnavailable", "FALLBACK_FILESYSTEMS", "check_cache_dir",
+           "open_cache_dir", "unsafe_parent", "filesystem_type"]
 
 #: File systems whose pages are not worth a file (tmpfs: shmem, 4 KiB pages, no disk) or
 #: not reliably ours (network and FUSE file systems change under us, may not fsync).
@@ -24,6 +25,23 @@ FALLBACK_FILESYSTEMS = frozenset({
 
 class CacheDirRefused(Exception):
     """The cache directory is unsafe to use (wrong owner, wrong mode, not a directory)."""
+
+
+class CacheDirUnavailable(CacheDirRefused):
+    """The cache directory cannot be created: a read-only home, a parent we may not write.
+
+    Note [A cache directory that cannot be made]: nothing unsafe, only impossible, so the
+    daemon runs on the memory tier with one warning (``Store``) rather than refusing to start
+    (every load would then be plain, against the README's promise of a memory-tier fallback).
+    An *unsafe* directory (another owner, an open mode, a symbolic link, a parent others can
+    replace) is still refused: running beside it is no fix. It subclasses ``CacheDirRefused`` so
+    that a caller that knows only refusals keeps refusing."""
+
+
+#: What ``mkdir`` or ``open`` of the cache directory fails with when it merely cannot be made
+#: (Note [A cache directory that cannot be made]): no permission, a read-only file system, a
+#: parent that is a file.
+_CANNOT_MAKE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR})
 
 
 def check_cache_dir(path: Path) -> None:
@@ -39,15 +57,23 @@ def open_cache_dir(path: Path) -> int:
     if why is not None:
         raise CacheDirRefused(why)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except FileExistsError as exc:  # a parent is a file: ENOTDIR below it
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR),
+                                     str(path.parent)) from exc
         with contextlib.suppress(FileExistsError):
             path.mkdir(mode=0o700)
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+        if exc.errno == errno.ELOOP or (exc.errno == errno.ENOTDIR and _exists(path)):
             raise CacheDirRefused(f"the cache directory {path} is not a directory (a "
                                   f"symbolic link or a file); remove it or set "
                                   f"{CACHE_DIR_ENV}") from exc
+        if exc.errno in _CANNOT_MAKE:
+            raise CacheDirUnavailable(f"the cache directory {path} cannot be created "
+                                      f"({exc.strerror}); set {CACHE_DIR_ENV} to a directory "
+                                      "you can write") from exc
         raise CacheDirRefused(f"cannot create the cache directory {path}: {exc}; set "
                               f"{CACHE_DIR_ENV} to a directory you own") from exc
     st = os.fstat(fd)
@@ -65,57 +91,26 @@ def open_cache_dir(path: Path) -> int:
     return fd
 
 
+def _exists(path: Path) -> bool:
+    """Whether ``path`` itself names something (a file, a link): not a parent that is a file."""
+    try:
+        os.lstat(path)
+    except OSError:
+        return False
+    return True
+
+
 def unsafe_parent(path: Path) -> str | None:
     """Why another user could replace ``path`` (or a folder above it, or one its links
-    lead to): writable by them without the sticky bit, or theirs (non-root); else ``None``."""
-    seen: set[str] = set()
-    for start in (path.parent, Path(os.path.realpath(path.parent))):
-        for folder in (start, *start.parents):
-            if str(folder) in seen:
-                continue
-            seen.add(str(folder))
-            try:
-                st = os.stat(folder)
-            except FileNotFoundError:
-                continue  # created below, by us, with our umask
-            except OSError as exc:
-                return f"cannot check {folder}, above the cache directory {path}: {exc}"
-            why = _others_can_replace(folder, st)
-            if why is not None:
-                return (f"the cache directory {path} lies in {folder}, which {why}: that "
-                        f"user could swap it for a directory of theirs and read or replace "
-                        f"cached models; set {CACHE_DIR_ENV} to a directory only you can "
-                        "change")
-    return None
-
-
-def _others_can_replace(folder: Path, st: os.stat_result) -> str | None:
-    if st.st_uid not in (0, os.getuid()):
-        return f"uid {st.st_uid} owns"
-    if st.st_mode & stat.S_ISVTX:
-        return None  # sticky: only a file's owner may rename or delete it
-    if st.st_mode & 0o002:
-        return f"every user can write (mode {stat.S_IMODE(st.st_mode):04o}, no sticky bit)"
-    if st.st_mode & 0o020 and _others_in_group(st.st_gid):
-        return (f"the users of group {st.st_gid} can write (mode "
-                f"{stat.S_IMODE(st.st_mode):04o}, no sticky bit)")
-    return None
-
-
-def _others_in_group(gid: int) -> bool:
-    """Whether a user other than us is in group ``gid`` (a private group has none)."""
-    import grp
-    import pwd
-
-    me = os.getuid()
-    try:
-        names = set(grp.getgrgid(gid).gr_mem)
-        mine = pwd.getpwuid(me).pw_name
-    except KeyError:
-        return gid != os.getgid()
-    if names - {mine}:
-        return True
-    return any(p.pw_gid == gid and p.pw_uid != me for p in pwd.getpwall())
+    lead to): writable by them without the sticky bit, or theirs (non-root); else ``None``
+    (the rule of ``_common/trust.py``, Note [Trust no neighbour])."""
+    above = replaceable_above(path)
+    if above is None:
+        return None
+    folder, why = above
+    return (f"the cache directory {path} lies in {folder}, which {why}: that user could swap "
+            f"it for a directory of theirs and read or replace cached models; set "
+            f"{CACHE_DIR_ENV} to a directory only you can change")
 
 
 def filesystem_type(path: Path) -> str:

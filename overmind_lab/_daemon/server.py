@@ -19,11 +19,12 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, TypeVar, cast
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar, cast
 
 from overmind_lab import __version__
 from overmind_lab._common.messages import (
@@ -39,6 +40,7 @@ from overmind_lab._common.messages import (
     ReportRequest,
     ReserveRequest,
     SegmentSpec,
+    SourceGone,
     Status,
     StatusRequest,
     StoreRequest,
@@ -47,7 +49,7 @@ from overmind_lab._common.messages import (
 )
 from overmind_lab._common.naming import BUDGET_ENV
 from overmind_lab._common.protocol import AsyncChannel, Frame, peer_credentials
-from overmind_lab._common.sizes import available_memory, parse_size, total_memory
+from overmind_lab._common.sizes import available_memory, env_seconds, parse_size, total_memory
 from overmind_lab._daemon.holders import HolderScanner
 from overmind_lab._daemon.index import Entry, Index, Segment, TooLarge
 from overmind_lab._daemon.leases import Leases
@@ -55,6 +57,7 @@ from overmind_lab._daemon.persist import restore, snapshot, source_changed
 from overmind_lab._daemon.store import (
     Corrupt,
     Store,
+    cache_dir_wait,
     file_bytes,
     footprint,
     new_segment_id,
@@ -65,7 +68,7 @@ from overmind_lab._errors import ErrorKind
 if TYPE_CHECKING:
     from overmind_lab._daemon.refresh import Refresher
 
-__all__ = ["Daemon", "default_budget"]
+__all__ = ["Daemon", "Watch", "default_budget"]
 
 log = logging.getLogger("overmind_lab.daemon")
 
@@ -78,6 +81,26 @@ SEND_TIMEOUT = 30.0
 SAVE_DELAY = 0.2
 #: After a restart, wait this long before reading saved segments' checksums.
 SCRUB_DELAY = 2.0
+
+
+#: Note [Sources let go]: how often held source files are compared with their paths
+#: (seconds; ``$OVERMIND_LAB_DAEMON_SOURCE_CHECK``), and how many of the entries let go
+#: ``status`` names.
+SOURCE_CHECK_SECONDS = 1.0
+SOURCE_CHECK_ENV = "OVERMIND_LAB_DAEMON_SOURCE_CHECK"
+SOURCE_GONE_HISTORY = 5
+
+
+class Watch(Protocol):
+    """Something ``Daemon.serve`` checks every ``period`` s besides its entries (``process``:
+    the socket path, the package): ``check`` returns a new listening socket to accept on,
+    why the daemon must stop (it stops as ``stop`` does), or ``None``; in a thread when
+    ``blocking`` (then it returns no socket)."""
+
+    period: float
+    blocking: bool
+
+    def check(self) -> socket.socket | str | None: ...
 
 
 def default_budget() -> int:
@@ -122,7 +145,9 @@ def _lower_priority() -> None:
 class Daemon:
     def __init__(self, path: Path, budget: int, cache_dir: Path | None = None) -> None:
         self.path = path
-        self.store = Store(cache_dir)  # raises CacheDirRefused: refuse to start
+        # raises CacheDirRefused: refuse to start; Note [A successor waits for the cache
+        # directory]
+        self.store = Store(cache_dir, lock_wait=cache_dir_wait())
         self.index = Index(budget, on_drop=self._drop, max_segments=max_segments())
         self.holders = HolderScanner(self.store.dir if self.store.persistent else None)
         self.leases = Leases(on_release=self._discard_reserved)
@@ -141,19 +166,30 @@ class Daemon:
         self.started = time.time()
         self.stopping = asyncio.Event()
         self.refresher: Refresher | None = None  # set by refresh.attach
+        #: Note [Sources let go]: how many entries, and the last few
+        self.source_gone_entries = 0
+        self.source_gone: deque[SourceGone] = deque(maxlen=SOURCE_GONE_HISTORY)
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Future[None] | None = None
+        self._clients: set[asyncio.Future[None]] = set()  # referenced until done
 
-    async def serve(self, sock: socket.socket) -> None:
+    async def serve(self, sock: socket.socket, watches: Sequence[Watch] = ()) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
         sock.setblocking(False)
         log.info("serving on %s (pid %d, budget %d bytes)", self.path, os.getpid(),
                  self.index.budget)
-        accepting = asyncio.ensure_future(self._accept_loop(sock))
-        scrubber = asyncio.ensure_future(self._scrub_all())
+        self._listener = sock
+        self._accepting = asyncio.ensure_future(self._accept_loop(sock))
+        background = [asyncio.ensure_future(self._scrub_all()),
+                      asyncio.ensure_future(self._watch_sources(
+                          env_seconds(SOURCE_CHECK_ENV, SOURCE_CHECK_SECONDS))),
+                      *(asyncio.ensure_future(self._watch(w)) for w in watches)]
         await self.stopping.wait()
-        accepting.cancel()
-        scrubber.cancel()
+        self._accepting.cancel()
+        for task in background:
+            task.cancel()
         if self.refresher is not None:
             self.refresher.close()  # Note [Workers outlive no daemon]
         await self._shutdown()
@@ -184,13 +220,55 @@ class Daemon:
         while sid in self.finishing:
             await asyncio.sleep(0.02)
 
+    async def _watch(self, watch: Watch) -> None:
+        """Check ``watch`` every ``watch.period`` s (Note [A socket path that moved], Note [A
+        daemon whose package is gone] in ``process``)."""
+        while not self.stopping.is_set():
+            await asyncio.sleep(watch.period)
+            try:
+                verdict = (await asyncio.to_thread(watch.check) if watch.blocking
+                           else watch.check())
+            except Exception:  # a check that fails must not end the daemon
+                log.exception("a periodic check of the daemon failed")
+                continue
+            if isinstance(verdict, socket.socket):
+                await self._listen(verdict)
+            elif verdict is not None and not self.stopping.is_set():
+                log.warning("%s: stopping", verdict)
+                self.stopping.set()
+
+    async def _listen(self, sock: socket.socket) -> None:
+        """Accept on ``sock`` from now on (Note [A socket path that moved]); connections
+        queued on the old listener are served, then it is closed."""
+        old, accepting = self._listener, self._accepting
+        sock.setblocking(False)
+        self._listener = sock
+        self._accepting = asyncio.ensure_future(self._accept_loop(sock))
+        if accepting is not None:
+            accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await accepting  # its reader is off the old descriptor before it closes
+        if old is None:
+            return
+        while True:
+            try:
+                conn, _ = old.accept()
+            except OSError:  # BlockingIOError: none left
+                break
+            self._serve_soon(conn)
+        old.close()
+
+    def _serve_soon(self, conn: socket.socket) -> None:
+        task = asyncio.ensure_future(self._serve_client(conn))
+        self._clients.add(task)
+        task.add_done_callback(self._clients.discard)
+
     async def _accept_loop(self, listener: socket.socket) -> None:
         """Note [Accept never dies]: an ``accept`` error is logged and retried (EMFILE and
         ENFILE evict the oldest entry first), since a daemon that holds its socket and
         answers nobody stalls every load; any other exception stops the daemon, so the next
         load starts one. More in docs/notes.md."""
         loop = asyncio.get_running_loop()
-        tasks: set[asyncio.Task[None]] = set()
         failing = False  # log the first failure of a run of them, and the recovery
         while True:
             try:
@@ -216,9 +294,7 @@ class Daemon:
             if failing:
                 log.info("accepting connections again")
                 failing = False
-            task = asyncio.ensure_future(self._serve_client(conn))
-            tasks.add(task)  # keep a reference until done
-            task.add_done_callback(tasks.discard)
+            self._serve_soon(conn)
 
     async def _serve_client(self, sock: socket.socket) -> None:
         conn = Connection(AsyncChannel(sock))
@@ -576,6 +652,48 @@ class Daemon:
         self.holders.invalidate()
         self.save_soon()
 
+    async def _watch_sources(self, period: float) -> None:
+        """Note [Sources let go]: every ``period`` s, let go of the entries whose held source
+        file went away.
+
+        A held source file (Note [Source files are held, not linked] in ``store``) is the
+        user's own. Deleted (``rm -rf`` of a model folder, a hub cache cleaned) or replaced
+        (a download renamed over its path), it stays alive through the daemon's descriptor and
+        the copy it serves (Note [A copy to serve]): the disk space never comes back and the
+        mount stays busy until an eviction or ``stop``, though no hit may use it any more (the
+        check before a hit refuses it). So each held file is compared with its path
+        (``Segment.source_gone``: an ``fstat`` and a ``stat``) and every entry using one that
+        went is evicted as eviction does: descriptors, copy (one being made stops at its next
+        window), segment files; processes that mapped it keep their mappings (Note [Eviction
+        and mappings]). The stats run in a thread, so a hung network mount stalls this task
+        and never a request; a verdict is acted on back in the event loop only for a segment
+        the index still holds (the same object): nothing closed its descriptor meanwhile, only
+        a drop from the index does. An error that tells nothing (EACCES, EIO) leaves the entry
+        to the check before a hit. ``status`` counts the entries let go
+        (``source_gone_entries``) and names the last few (``source_gone_recent``)."""
+        while True:
+            await asyncio.sleep(period)
+            held = [s for s in self.index.segments.values() if s.tier == "link"]
+            if not held:
+                continue
+            gone = await asyncio.to_thread(_sources_gone, held)
+            for seg, (what, why) in gone:
+                if self.index.segments.get(seg.id) is seg:
+                    self._let_go(seg, what, why)
+
+    def _let_go(self, seg: Segment, what: str, why: str) -> None:
+        """Evict every entry that uses ``seg``, whose source went away (Note [Sources let
+        go])."""
+        path = str((seg.source or {}).get("path", ""))
+        for key in [k for k, e in self.index.entries.items() if seg.id in e.segments]:
+            entry = self.index.evict(key)
+            self.source_gone_entries += 1
+            self.source_gone.appendleft({"key": key, "name": entry.name, "path": path,
+                                         "why": what, "detail": why, "at": time.time()})
+            log.warning("let go of entry %s (%s): %s: %s", key[:12], entry.name, what, why)
+        self.holders.invalidate()
+        self.save_soon()
+
     def _check_sum(self, seg: Segment) -> asyncio.Future[None]:
         fut = self.summing.get(seg.id)
         if fut is None:
@@ -656,6 +774,8 @@ class Daemon:
             + int(self._dirty or (self._saver is not None and not self._saver.done())),
             "evicted_mapped_bytes": sum(self.index.evicted.values()),
             "entries": len(self.index.entries),
+            "source_gone_entries": self.source_gone_entries,
+            "source_gone_recent": [g.copy() for g in self.source_gone],
             "memory_total_bytes": total_memory(),
             "memory_available_bytes": available_memory(),
         }
@@ -696,6 +816,11 @@ class Daemon:
                                 if s in self.index.segments}),
             })
         return out
+
+
+def _sources_gone(held: list[Segment]) -> list[tuple[Segment, tuple[str, str]]]:
+    """The held source files no longer at their paths (in a thread: Note [Sources let go])."""
+    return [(seg, gone) for seg in held if (gone := seg.source_gone()) is not None]
 
 
 class _RequestError(Exception):

@@ -33,6 +33,7 @@ import secrets
 import stat
 import struct
 import threading
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,15 +44,17 @@ from overmind_lab._common.naming import MEMFD_PREFIX, SEGMENT_SEALS
 from overmind_lab._daemon.cachedir import (
     FALLBACK_FILESYSTEMS,
     CacheDirRefused,
+    CacheDirUnavailable,
     check_cache_dir,
     filesystem_type,
     open_cache_dir,
     unsafe_parent,
 )
 
-__all__ = ["CacheDirRefused", "Corrupt", "Segment", "Store", "new_segment_id", "check_cache_dir",
-           "open_cache_dir", "unsafe_parent", "filesystem_type", "footprint", "file_bytes",
-           "resident_bytes", "identity", "IDENTITY"]
+__all__ = ["CacheDirRefused", "CacheDirUnavailable", "Corrupt", "Segment", "Store",
+           "new_segment_id", "check_cache_dir", "cache_dir_wait", "open_cache_dir",
+           "unsafe_parent", "filesystem_type", "footprint", "file_bytes", "resident_bytes",
+           "identity", "IDENTITY"]
 
 log = logging.getLogger("overmind_lab.daemon")
 
@@ -184,6 +187,34 @@ class Segment:
         except OSError as exc:
             return f"cannot check it: {exc}"
 
+    def source_gone(self) -> tuple[str, str] | None:
+        """Link tier: ``(what, why)`` once the held source file is not the file its path names
+        any more: ``"source deleted"`` (no file there), ``"source replaced"`` (another file
+        there: a download renamed over it), ``"source changed"`` (written in place); ``None``
+        while it is, or when that cannot be told now (a permission, an I/O error: the check
+        before a hit decides). One ``fstat`` and one ``stat`` (Note [Sources let go] in
+        ``server``); called from a thread, on a segment the index holds."""
+        src = self.source
+        if self.tier != "link" or src is None or self.fd < 0:
+            return None
+        path = str(src.get("path"))
+        try:
+            st = os.fstat(self.fd)
+            there = os.stat(path)
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            return "source deleted", f"the source file {path} is gone ({exc.strerror})"
+        except OSError:
+            return None
+        if (there.st_dev, there.st_ino) != (st.st_dev, st.st_ino):
+            deleted = " (ours is deleted)" if st.st_nlink == 0 else ""
+            return "source replaced", (f"the source file {path} was replaced by another file "
+                                       f"(inode {st.st_ino} -> {there.st_ino}){deleted}")
+        then, now = [src.get(k) for k in IDENTITY], identity(st)
+        if now == then:
+            return None
+        what = ", ".join(k for k, a, b in zip(IDENTITY, then, now, strict=True) if a != b)
+        return "source changed", f"the source file {path} was changed in place ({what})"
+
     def _source_changed(self, st: os.stat_result) -> str | None:
         src = self.source or {}
         then = [src.get(k) for k in IDENTITY]
@@ -211,7 +242,9 @@ class Store:
     More in docs/notes.md.
     """
 
-    def __init__(self, directory: Path | None) -> None:
+    def __init__(self, directory: Path | None, lock_wait: float = 0.0) -> None:
+        """``lock_wait``: how long to wait for a directory another daemon holds before the
+        memory tier (Note [A successor waits for the cache directory])."""
         self.dir = Path(os.path.abspath(directory)) if directory is not None else None
         self.tier = "memfd"
         self.reason = ""
@@ -222,25 +255,28 @@ class Store:
             self.reason = "no cache directory"
             return
         directory = self.dir
-        fd = open_cache_dir(directory)  # raises CacheDirRefused: the caller refuses to start
-        fstype = filesystem_type(directory)
-        if fstype in FALLBACK_FILESYSTEMS or fstype.startswith("fuse."):
+        try:
+            fd = open_cache_dir(directory)  # CacheDirRefused: the caller refuses to start
+        except CacheDirUnavailable as exc:  # Note [A cache directory that cannot be made]
+            fd = -1
+            self.reason = str(exc)
+        fstype = filesystem_type(directory) if fd >= 0 else "none"
+        if fd < 0:
+            pass
+        elif fstype in FALLBACK_FILESYSTEMS or fstype.startswith("fuse."):
             self.reason = f"{directory} is on {fstype}"
         elif not os.access(directory, os.W_OK | os.X_OK):
             self.reason = f"{directory} is not writable"
         else:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    os.close(fd)
-                    raise
-                self.reason = f"{directory} is used by another overmind-lab daemon"
+            holder = _lock_dir(fd, directory, lock_wait)
+            if holder is not None:
+                self.reason = f"{directory} is used by another overmind-lab daemon{holder}"
             else:
                 st = os.fstat(fd)
                 self._dir_fd, self._dir_id, self.tier = fd, (st.st_dev, st.st_ino), "file"
         if self.tier == "memfd":
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
             log.warning("segments live in memory (memfd tier): %s; they do not survive "
                         "a daemon restart", self.reason)
         else:
@@ -419,6 +455,8 @@ class Store:
             for at in range(0, seg.size, _WINDOW):
                 if stop.is_set():
                     raise _Abandoned("the daemon is stopping")
+                if seg.fd < 0:  # discarded meanwhile (Note [Sources let go] in ``server``)
+                    raise _Abandoned("the entry was let go")
                 want = min(_WINDOW, seg.size - at)
                 if os.preadv(src, [buf[:want]], at) != want:
                     raise _Abandoned("the source file got shorter")
@@ -636,6 +674,72 @@ class Store:
                 os.close(fd)
         seg.fd = seg.writer_fd = -1
         self.drop_copy(seg)
+
+
+#: Note [A successor waits for the cache directory]: how long ``serve`` waits for the lock of
+#: a cache directory another daemon holds (``$OVERMIND_LAB_CACHE_DIR_WAIT`` seconds).
+CACHE_DIR_WAIT = 5.0
+CACHE_DIR_WAIT_ENV = "OVERMIND_LAB_CACHE_DIR_WAIT"
+
+
+def cache_dir_wait() -> float:
+    try:
+        return max(0.0, float(os.environ.get(CACHE_DIR_WAIT_ENV, CACHE_DIR_WAIT)))
+    except ValueError:
+        return CACHE_DIR_WAIT
+
+
+def _lock_dir(fd: int, directory: Path, wait: float) -> str | None:
+    """Take the cache directory's lock, waiting up to ``wait`` s for a daemon that holds it to
+    go; ``None`` once taken, else what to add to the reason (the holder's pid, if known).
+
+    Note [A successor waits for the cache directory]: a daemon whose socket path went away
+    (Note [A socket path that moved] in ``process``) exits within its check period, and
+    releases this lock when it closes the directory, after it saved the index there. A client
+    that found no daemon meanwhile starts one, which finds the lock still held: on the memory
+    tier at once, it would run without the cache on disk for as long as it lives. So it
+    retries for a few seconds (its clients wait for its start under the start lock) before it
+    takes the memory tier; a daemon that really runs beside it (another socket path, the same
+    cache directory) keeps the lock, and this one starts that much later, on memfds as before.
+    """
+    deadline = time.monotonic() + wait
+    said = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if said:
+                log.info("the lock of %s is free now: this daemon uses it", directory)
+            return None
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                os.close(fd)
+                raise
+        if time.monotonic() >= deadline or not said:
+            holder = _flock_holder(fd)
+            who = f" (pid {holder})" if holder else ""
+            if time.monotonic() >= deadline:
+                return who
+            said = True
+            log.info("%s is locked by another overmind-lab daemon%s: waiting up to %g s "
+                     "for it to go", directory, who, wait)
+        time.sleep(0.1)
+
+
+def _flock_holder(fd: int) -> int | None:
+    """The pid holding a ``flock`` on ``fd``'s file, from ``/proc/locks``; ``None`` if unknown
+    (another pid namespace shows none, or 0)."""
+    st = os.fstat(fd)
+    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == want:
+                    pid = int(fields[4])
+                    return pid if pid > 0 else None
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def _parent_id(path: str) -> tuple[int, int] | None:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, cast
 
 from overmind_lab._common.naming import SOCKET_ENV, socket_path
 from overmind_lab._common.protocol import Channel, Frame
+from overmind_lab._common.sizes import env_seconds
 from overmind_lab._common.trust import Untrusted, check_folder, check_server, open_private
 from overmind_lab._errors import (
     DaemonUnavailable,
@@ -309,11 +310,7 @@ class Session:
 # stopped process), after which the next load starts a new daemon.
 def answer_timeout() -> float:
     """The deadline for a connection and its first reply (Note [A daemon that does not answer])."""
-    try:
-        value = float(os.environ.get(ANSWER_ENV, ANSWER_TIMEOUT))
-    except ValueError:
-        return ANSWER_TIMEOUT
-    return value if value > 0 else ANSWER_TIMEOUT
+    return env_seconds(ANSWER_ENV, ANSWER_TIMEOUT)
 
 
 class _DaemonChannel(Channel):
