@@ -32,7 +32,7 @@ from overmind_lab import Client, DaemonUnavailable
 from tests import conftest
 from tests.conftest import last_json, run_py, wait_for_exit
 from tests.nobody import NOBODY, package_for_nobody, python_for_nobody
-from tests.test_disk_cache import cache_dir, log_text, sized_child, wait_saved
+from tests.test_disk_cache import HERE, SIZED, cache_dir, log_text, sized_child, wait_saved
 from tests.test_load import LOAD_UNET
 
 pytestmark = pytest.mark.slow  # real model folders and daemons: `make test`
@@ -327,8 +327,13 @@ def memory_tier_with_one_warning(sock_path: Path, why: str) -> None:
     status = Client().start()
     assert status["tier"] == "memfd" and why in status["tier_reason"], status
     assert "cannot be created" in status["tier_reason"]
-    assert sized_child(64 * 1024, "m")["outcome"] == "cold"
-    assert sized_child(64 * 1024, "m")["outcome"] == "warm"
+    cold = run_py(SIZED.format(here=HERE, nbytes=64 * 1024, tag="m"))
+    assert last_json(cold)["outcome"] == "cold"
+    # the loading process is told once (the daemon's log is not where a notebook user looks)
+    assert cold.stderr.count("cached models are kept in memory") == 1, cold.stderr
+    assert why in cold.stderr
+    warm = run_py(SIZED.format(here=HERE, nbytes=64 * 1024, tag="m"))
+    assert last_json(warm)["outcome"] == "warm" and "kept in memory" not in warm.stderr
     assert log_text(sock_path).count("memfd tier") == 1
 
 

@@ -203,6 +203,8 @@ class HitReply(OkReply):
 
 class LeaseReply(OkReply):
     lease: Literal[True]
+    #: what the loader should warn about once (the memory tier where files were expected)
+    note: NotRequired[str]
 
 
 class WaitReply(OkReply):

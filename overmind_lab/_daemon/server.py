@@ -414,6 +414,8 @@ class Daemon:
             busy = self.leases.acquire(key, conn)
             if busy is None:
                 lease: LeaseReply = {"ok": True, "lease": True}
+                if self.store.note:
+                    lease["note"] = self.store.note
                 await asyncio.wait_for(chan.send(lease), SEND_TIMEOUT)
                 return
             wait: WaitReply = {"ok": True, "wait": True}

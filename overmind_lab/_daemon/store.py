@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from overmind_lab._common.fileio import pwrite_all
-from overmind_lab._common.naming import MEMFD_PREFIX, SEGMENT_SEALS
+from overmind_lab._common.naming import CACHE_DIR_ENV, MEMFD_PREFIX, SEGMENT_SEALS
 from overmind_lab._daemon.cachedir import (
     FALLBACK_FILESYSTEMS,
     CacheDirRefused,
@@ -248,6 +248,9 @@ class Store:
         self.dir = Path(os.path.abspath(directory)) if directory is not None else None
         self.tier = "memfd"
         self.reason = ""
+        #: what a loading process should be told once (Note [A cache directory that cannot be
+        #: made]): the memory tier where the user expected files; "" otherwise
+        self.note = ""
         self._dir_fd = -1
         self._dir_id: tuple[int, int] | None = None
         self._warned_space = False
@@ -260,6 +263,9 @@ class Store:
         except CacheDirUnavailable as exc:  # Note [A cache directory that cannot be made]
             fd = -1
             self.reason = str(exc)
+            self.note = (f"{exc}; cached models are kept in memory, and lost when the daemon "
+                         f"stops (set {CACHE_DIR_ENV} to a folder you can write to keep them "
+                         "on disk)")
         fstype = filesystem_type(directory) if fd >= 0 else "none"
         if fd < 0:
             pass

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
         EntryJson,
         EvictReply,
         HitReply,
+        LeaseReply,
         LinkReply,
         ListReply,
         Op,
@@ -239,6 +240,8 @@ class Session:
 
     def __init__(self, chan: Channel) -> None:
         self.chan = chan
+        #: the daemon's note with the last lease (``LeaseReply.note``), warned about once
+        self.note: str | None = None
 
     def __enter__(self) -> Session:
         return self
@@ -258,6 +261,7 @@ class Session:
             if not reply.get("wait"):
                 if reply.get("hit"):
                     return cast("HitReply", reply)["entry"], fds
+                self.note = cast("LeaseReply", reply).get("note")
                 return None, fds  # the lease
             if time.monotonic() > deadline:
                 raise DaemonUnavailable(f"gave up waiting for another process to load {key}")

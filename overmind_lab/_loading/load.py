@@ -296,6 +296,8 @@ def _load_with(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
     components = _components(args, kwargs)
     if entry is not None:
         return _hit(session, fn, args, kwargs, info, start, entry, fds, components)
+    if session.note:  # the memory tier where files were expected: a read-only home
+        _warn_once(f"note:{session.note}", session.note)
     # We hold the lease: load here, then park it. fn's exception propagates unchanged; closing the
     # session releases the lease.
     counter_before = hook_counter()
