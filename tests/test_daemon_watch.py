@@ -168,6 +168,20 @@ def test_weights_replaced_by_a_rename_are_let_go(daemon: Client, tmp_path: Path)
 
 
 # -- the socket path ---------------------------------------------------------------------
+def test_a_removed_cache_directory_ends_its_daemon(daemon: Client) -> None:
+    """``rm -rf ~/.cache/overmind-lab`` while the daemon runs: it stops and lets its files go
+    (the next load starts a daemon on a fresh directory), rather than serving deleted files."""
+    assert sized_child(4 * 1024 * 1024, "c")["outcome"] == "cold"
+    wait_saved(daemon)
+    pid = int(daemon.status()["pid"])
+    assert any(n.startswith(str(cache_dir())) for n in open_files(pid))
+    shutil.rmtree(cache_dir())
+    wait_for_exit(pid, what="the daemon whose cache directory was removed")
+    again = sized_child(4 * 1024 * 1024, "c")
+    assert again["outcome"] == "cold" and again["sum"] == float(4 * 1024 * 1024 // 4)
+    assert int(daemon.status()["pid"]) != pid and cache_dir().is_dir()
+
+
 @pytest.fixture
 def nested_sock(sock_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A socket path in a folder of its own (``run/``), the cache directory outside it: the

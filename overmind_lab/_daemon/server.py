@@ -672,9 +672,18 @@ class Daemon:
         the index still holds (the same object): nothing closed its descriptor meanwhile, only
         a drop from the index does. An error that tells nothing (EACCES, EIO) leaves the entry
         to the check before a hit. ``status`` counts the entries let go
-        (``source_gone_entries``) and names the last few (``source_gone_recent``)."""
+        (``source_gone_entries``) and names the last few (``source_gone_recent``). The cache
+        directory itself is checked too (one ``lstat``): removed (``rm -rf ~/.cache``) or
+        replaced, the daemon stops as ``stop`` does, so its files go with it; the next load
+        starts a daemon on a fresh directory."""
         while True:
             await asyncio.sleep(period)
+            why = self.store.displaced()  # the whole cache directory removed or replaced
+            if why is not None:
+                log.error("%s: this daemon stops and lets its files go; the next load starts "
+                          "one on that path", why)
+                self.stopping.set()
+                return
             held = [s for s in self.index.segments.values() if s.tier == "link"]
             if not held:
                 continue
