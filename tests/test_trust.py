@@ -272,3 +272,52 @@ def test_serve_refuses_a_socket_folder_others_can_write(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "every user can write" in proc.stderr, proc
     assert list(shared.iterdir()) == []
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to give a folder to another uid")
+def test_check_folder_over_generated_owners_and_modes(tmp_path: Path) -> None:
+    """Note [Trust no neighbour], rule 1, over every owner and mode a folder can have: it passes
+    exactly when it is ours and no other user can write it (a sticky bit changes nothing)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from overmind_lab._common.trust import others_in_group
+
+    folder = tmp_path / "f"
+    folder.mkdir()
+
+    @settings(max_examples=200, deadline=None)
+    @given(mode=st.integers(0, 0o1777), uid=st.sampled_from([os.getuid(), 65534]),
+           gid=st.sampled_from([os.getgid(), 65534]))
+    def check(mode: int, uid: int, gid: int) -> None:
+        os.chown(folder, uid, gid)
+        os.chmod(folder, mode)
+        trusted = (uid == os.getuid() and not mode & 0o002
+                   and not (mode & 0o020 and others_in_group(gid)))
+        try:
+            check_folder(folder)
+        except Untrusted as exc:
+            assert not trusted, exc
+            assert str(folder) in str(exc) and "OVERMIND_LAB_SOCKET" in str(exc)
+        else:
+            assert trusted, (oct(mode), uid, gid)
+
+    try:
+        check()
+    finally:
+        os.chown(folder, os.getuid(), os.getgid())
+        os.chmod(folder, 0o700)
+
+
+def test_a_private_folder_in_a_folder_others_can_rename_is_refused(tmp_path: Path) -> None:
+    """The socket's folder is ours and 0700, but it sits in a folder every user can write
+    without the sticky bit: another user could rename it away and put theirs in its place."""
+    open_parent = tmp_path / "open"
+    open_parent.mkdir()
+    os.chmod(open_parent, 0o777)
+    mine = open_parent / "mine"
+    mine.mkdir(mode=0o700)
+    with pytest.raises(Untrusted, match=f"lies in {open_parent}"):
+        check_folder(mine)
+    os.chmod(open_parent, 0o1777)  # sticky: only the owner may rename what it holds
+    check_folder(mine)
