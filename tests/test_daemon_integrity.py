@@ -110,8 +110,10 @@ def test_a_source_changed_behind_its_timestamps_loads_fresh(
     assert load_file_child(weights, by_path=by_path) == {"outcome": "warm", "sums": sums(1)}
     change(weights, 2.0)  # type: ignore[operator]
     assert load_file_child(weights, by_path=by_path) == {"outcome": "cold", "sums": sums(2)}
-    if not by_path:  # the key did not change: the daemon saw it, and says so once
-        assert log_text(daemon.path).count("dropped entry") == 1
+    if not by_path:  # the key did not change: the daemon saw it, and says so once, at the
+        # check before the hit or first, in its watch of held files (Note [Sources let go])
+        log = log_text(daemon.path)
+        assert log.count("dropped entry") + log.count("let go of entry") == 1, log
 
 
 def test_a_source_changed_while_the_daemon_is_down_is_dropped(
