@@ -100,7 +100,8 @@ def zygote(run_dir: Path) -> Path:
 class Launched:
     """The kernelspec's argv run as a frontend runs it, and a bare client to its kernel."""
 
-    def __init__(self, run_dir: Path, env: dict[str, str], name: str) -> None:
+    def __init__(self, run_dir: Path, env: dict[str, str], name: str, *,
+                 python: str = sys.executable, ready_timeout: float = 120) -> None:
         from jupyter_client.blocking import BlockingKernelClient
         from jupyter_client.connect import write_connection_file
 
@@ -108,8 +109,8 @@ class Launched:
             fname=str(run_dir / f"{name}.json"), ip="127.0.0.1", key=os.urandom(16).hex()
             .encode())
         argv = [a.replace("{connection_file}", self.connection_file)
-                for a in spec.kernel_json()["argv"]]
-        assert argv[:3] == LAUNCHER
+                for a in spec.kernel_json(python=python)["argv"]]
+        assert argv[1:3] == LAUNCHER[1:] and argv[0] == python
         self.stderr = open(run_dir / f"{name}.stderr", "w+")  # noqa: SIM115 - closed below
         self.proc = subprocess.Popen(argv, env=env, cwd=run_dir, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=self.stderr)
@@ -119,9 +120,9 @@ class Launched:
         # no heartbeat came within a second (a plain kernel may still be importing); the
         # launcher's own exit is the death that counts here.
         self.kc.start_channels(hb=False)
-        self._wait_for_ready()
+        self._wait_for_ready(ready_timeout)
 
-    def _wait_for_ready(self, timeout: float = 120) -> None:
+    def _wait_for_ready(self, timeout: float) -> None:
         """As ``wait_for_ready``: a kernel_info reply, then iopub connected."""
         from queue import Empty
 
@@ -149,15 +150,24 @@ class Launched:
         pid, torch, colorsys = run_cell(self.kc, PROBE, timeout=60).split()
         return int(pid), torch == "True", colorsys == "True"
 
+    def json(self, code: str) -> Any:
+        """The last line ``code`` prints, as JSON."""
+        return json.loads(run_cell(self.kc, code, timeout=120).strip().splitlines()[-1])
+
     def errors(self) -> str:
         self.stderr.seek(0)
         return self.stderr.read()
+
+    def shutdown(self) -> None:
+        """Ask the kernel to shut down; return once its launcher exited."""
+        self.kc.shutdown()
+        self.proc.wait(timeout=120)
 
     def close(self) -> None:
         self.kc.stop_channels()
         if self.proc.poll() is None:
             self.proc.kill()
-            self.proc.wait(timeout=30)
+            self.proc.wait(timeout=60)
         self.stderr.close()
 
 

@@ -38,8 +38,10 @@ from overmind_lab._common.zygote_client import ask
 from overmind_lab._common.zygote_paths import ZygotePaths, identity, zygote_processes
 from overmind_lab._jupyter_server import kernelspec as spec
 from overmind_lab._zygote import preload
-from tests.conftest import pip_install_project, run_cell, wait_for_exit
+from tests.conftest import pip_install_project, wait_for_exit
+from tests.test_warm_kernel import _alive
 from tests.test_warm_kernel_cli import _venv_sharing_this_one
+from tests.test_warm_kernel_launcher import Launched
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 
@@ -96,20 +98,6 @@ def _wait_until(predicate: Any, what: str, timeout: float = 300) -> Any:
         time.sleep(0.05)
 
 
-def _alive(pid: int) -> bool:
-    """Running (a zombie counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _ppid(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rpartition(")")[2].split()[1])
-
-
 def _spawn(python: str, env: dict[str, str], owners: list[int]) -> Path:
     """Start a zygote for ``python`` as a launch would; its socket path (as that process
     sees its identity: the interpreter may add variables to its environment, LC_CTYPE)."""
@@ -140,74 +128,10 @@ def _logs(directory: Path) -> str:
     return "\n".join(p.read_text(errors="replace") for p in directory.glob("zygote-*.log"))
 
 
-class Launched:
-    """The warm kernelspec's argv (``PYTHON -m overmind_lab._launcher -f FILE``) run as a
-    frontend runs it, and a bare client to its kernel (see test_warm_kernel_launcher.py)."""
-
-    def __init__(self, directory: Path, python: str, env: dict[str, str], name: str) -> None:
-        from jupyter_client.blocking import BlockingKernelClient
-        from jupyter_client.connect import write_connection_file
-
-        self.connection_file, _ = write_connection_file(
-            fname=str(directory / f"{name}.json"), ip="127.0.0.1",
-            key=os.urandom(16).hex().encode())
-        argv = [a.replace("{connection_file}", self.connection_file)
-                for a in spec.kernel_json(python=python)["argv"]]
-        self.stderr = open(directory / f"{name}.stderr", "w+")  # noqa: SIM115 - closed below
-        self.proc = subprocess.Popen(argv, env=env, cwd=directory, stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=self.stderr)
-        self.kc = BlockingKernelClient(connection_file=self.connection_file)
-        self.kc.load_connection_file()
-        self.kc.start_channels(hb=False)  # the launcher's own exit is the death that counts
-        self._wait_for_ready()
-
-    def _wait_for_ready(self, timeout: float = 300) -> None:
-        from queue import Empty
-
-        deadline = time.monotonic() + timeout
-        while True:
-            assert self.proc.poll() is None, f"the launcher exited: {self.errors()}"
-            assert time.monotonic() < deadline, f"no kernel after {timeout} s: {self.errors()}"
-            self.kc.kernel_info()
-            try:
-                msg = self.kc.get_shell_msg(timeout=1)
-            except Empty:
-                continue
-            if msg["msg_type"] == "kernel_info_reply":
-                try:
-                    self.kc.get_iopub_msg(timeout=0.5)
-                except Empty:
-                    continue
-                while True:  # drain what the tries left
-                    try:
-                        self.kc.get_shell_msg(timeout=0.2)
-                    except Empty:
-                        return
-
-    def json(self, code: str) -> Any:
-        return json.loads(run_cell(self.kc, code, timeout=120).strip().splitlines()[-1])
-
-    def errors(self) -> str:
-        self.stderr.seek(0)
-        return self.stderr.read()
-
-    def shutdown(self) -> None:
-        """Ask the kernel to shut down; return once its launcher exited."""
-        self.kc.shutdown()
-        self.proc.wait(timeout=120)
-
-    def close(self) -> None:
-        self.kc.stop_channels()
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=60)
-        self.stderr.close()
-
-
 @contextlib.contextmanager
 def launched(directory: Path, python: str, env: dict[str, str], name: str
              ) -> Iterator[Launched]:
-    k = Launched(directory, python, env, name)
+    k = Launched(directory, env, name, python=python, ready_timeout=300)
     try:
         yield k
     finally:
