@@ -532,16 +532,6 @@ def _daemon_env() -> dict[str, str]:
 
 
 def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie child of ours counts as gone
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    """Whether ``pid`` runs (a zombie child of ours counts as gone)."""
+    state = _process_state(pid) if pid > 0 else None
+    return state is not None and state[1] != "Z"
