@@ -75,6 +75,15 @@ def sock_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 
 
 @pytest.fixture
+def resaves_refreshed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For a test that re-saves a cached model and then refreshes its entry (as a user clicks
+    the sidebar's button): the daemon it starts checks its held files once an hour, so the
+    check (Note [Sources let go] in the daemon's server) cannot let go of the entry between
+    the save and the click. Ask for it before ``daemon``."""
+    monkeypatch.setenv("OVERMIND_LAB_DAEMON_SOURCE_CHECK", "3600")
+
+
+@pytest.fixture
 def daemon(sock_path: Path) -> Iterator[Client]:
     """A running daemon on ``sock_path``."""
     client = Client(sock_path)

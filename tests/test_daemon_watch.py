@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from overmind_lab import Client, DaemonUnavailable
+from overmind_lab import Client, DaemonUnavailable, UnknownEntry
 from tests import conftest
 from tests.conftest import last_json, run_py, wait_for_exit
 from tests.nobody import NOBODY, package_for_nobody, python_for_nobody
@@ -454,3 +454,61 @@ def read_until(proc: subprocess.Popen[str], text: str) -> str:
             if text in line:
                 break
     return "".join(seen)
+
+
+# Note: a refresh worker of the test below waits at start-up, in a ``sitecustomize`` on the
+# loading process's path (which a refresh worker takes as its PYTHONPATH), until the test
+# opens the gate: the test then changes the model while the refresh is known to be running.
+GATED_START = """
+import os, sys, time
+if "overmind_lab._loading.refresh_worker" in sys.orig_argv:
+    gate = os.path.join(os.path.dirname(os.path.abspath(__file__)), "open")
+    while not os.path.exists(gate):
+        time.sleep(0.05)
+"""
+
+
+def test_an_entry_being_refreshed_is_not_let_go_under_it(daemon: Client,
+                                                         tmp_path: Path) -> None:
+    """The user re-saves a model while its refresh runs: the watch of held files lets go of
+    a control entry whose file changed too, but leaves the refreshing one to its refresh,
+    which replaces it (never neither listed); evict of a let-go key says why it went."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    (gate / "sitecustomize.py").write_text(GATED_START)
+    env = {"PYTHONPATH": str(gate)}
+    refreshed, control = save_unet(tmp_path / "refreshed"), save_unet(tmp_path / "control")
+    for model in (refreshed, control):
+        assert last_json(run_py(LOAD_UNET.format(path=str(model)), env=env))["outcome"] == "cold"
+    wait_saved(daemon)
+    entries = [dict(e) for e in daemon.entries()]
+    [old] = [e for e in entries if "refreshed'" in e["name"]]
+    [other] = [e for e in entries if "control'" in e["name"]]
+    assert all("link" in e["tier"] for e in (old, other)), entries
+    assert daemon.refresh(old["key"])["refresh"]["state"] == "running"
+    save_unet(refreshed, seed=1)
+    save_unet(control, seed=1)
+
+    def control_let_go() -> tuple[bool, list[dict[str, Any]]]:
+        entries = [dict(e) for e in daemon.entries()]
+        return other["key"] not in {e["key"] for e in entries}, entries
+
+    entries = poll("the watch letting go of the control entry", control_let_go)
+    assert [(e["key"], e["refresh"]["state"]) for e in entries] == [(old["key"], "running")]
+    with pytest.raises(UnknownEntry, match="was let go .*source (changed|replaced)"):
+        daemon.evict(other["key"])
+
+    (gate / "open").touch()
+
+    def settled() -> tuple[bool, list[dict[str, Any]]]:
+        entries = [dict(e) for e in daemon.entries()]
+        assert entries, "neither the old entry nor its replacement is listed"
+        return all(e["refresh"]["state"] != "running" for e in entries), entries
+
+    [fresh] = poll("the refresh replacing the entry", settled, timeout=180.0)
+    assert fresh["key"] != old["key"]
+    assert fresh["refresh"]["state"] == "done", fresh["refresh"]
+    assert fresh["refresh"]["previous"] == old["key"]
+    status = daemon.status()
+    assert status["source_gone_entries"] == 1
+    assert [g["key"] for g in status["source_gone_recent"]] == [other["key"]]

@@ -282,6 +282,7 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 120.0) -> Any:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("resaves_refreshed")
 async def test_refresh_of_a_changed_directory_gives_a_new_entry(
         daemon: Client, cached_unet: str, unet_dir: Path, jp_fetch: Fetch) -> None:
     save_tiny_unet(unet_dir, seed=7)  # the model on disk changes

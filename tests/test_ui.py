@@ -220,6 +220,7 @@ def lab(prerequisites: None, tmp_path: Path, daemon: Client,
         stop(proc)
 
 
+@pytest.mark.usefixtures("resaves_refreshed")
 def test_sidebar_in_a_real_browser(lab: dict[str, Any], daemon: Client, zygote: Path) -> None:
     artifacts = Path(os.environ.get("OVERMIND_UI_ARTIFACTS") or UI_TESTS / "artifacts")
     env = dict(os.environ)

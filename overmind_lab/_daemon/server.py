@@ -386,6 +386,13 @@ class Daemon:
     def _resolve(self, key: str) -> list[str]:
         keys = self.index.resolve(key) if key else []
         if not keys:
+            gone = next((g for g in self.source_gone if key and g["key"].startswith(key)), None)
+            if gone is not None:  # listed a moment ago: say where it went
+                ago = time.time() - gone["at"]
+                raise _RequestError(
+                    ErrorKind.UNKNOWN_ENTRY,
+                    f"entry {key!r} was let go {ago:.0f} s ago ({gone['why']}: "
+                    f"{gone['detail']}); the next load caches the model afresh")
             raise _RequestError(ErrorKind.UNKNOWN_ENTRY, f"no cache entry matches {key!r}")
         if len(keys) > 1:
             raise _RequestError(ErrorKind.UNKNOWN_ENTRY,
@@ -672,10 +679,14 @@ class Daemon:
         the index still holds (the same object): nothing closed its descriptor meanwhile, only
         a drop from the index does. An error that tells nothing (EACCES, EIO) leaves the entry
         to the check before a hit. ``status`` counts the entries let go
-        (``source_gone_entries``) and names the last few (``source_gone_recent``). The cache
-        directory itself is checked too (one ``lstat``): removed (``rm -rf ~/.cache``) or
-        replaced, the daemon stops as ``stop`` does, so its files go with it; the next load
-        starts a daemon on a fresh directory."""
+        (``source_gone_entries``) and names the last few (``source_gone_recent``; an evict or
+        a refresh of one of those says it was let go, and why). An entry being refreshed is
+        left alone: the user re-saved the model and clicked refresh, whose result replaces the
+        entry, so a sidebar sees the old entry's progress, then the new entry, never neither
+        in between (a failed refresh leaves it to the next check). The cache directory itself
+        is checked too (one ``lstat``): removed (``rm -rf ~/.cache``) or replaced, the daemon
+        stops as ``stop`` does, so its files go with it; the next load starts a daemon on a
+        fresh directory."""
         while True:
             await asyncio.sleep(period)
             why = self.store.displaced()  # the whole cache directory removed or replaced
@@ -689,8 +700,15 @@ class Daemon:
                 continue
             gone = await asyncio.to_thread(_sources_gone, held)
             for seg, (what, why) in gone:
-                if self.index.segments.get(seg.id) is seg:
+                if self.index.segments.get(seg.id) is seg and not self._refreshing(seg):
                     self._let_go(seg, what, why)
+
+    def _refreshing(self, seg: Segment) -> bool:
+        """Whether an entry that uses ``seg`` is being refreshed (Note [Sources let go]):
+        the refresh replaces it when done, and a failed one leaves it to the next check."""
+        tasks = self.refresher.tasks if self.refresher is not None else {}
+        return any(seg.id in self.index.entries[key].segments
+                   for key in tasks if key in self.index.entries)
 
     def _let_go(self, seg: Segment, what: str, why: str) -> None:
         """Evict every entry that uses ``seg``, whose source went away (Note [Sources let
