@@ -82,5 +82,7 @@ def test_a_first_load_says_whether_it_is_cached_now_or_in_the_background() -> No
     stored = LoadEvent("k", name, "cold", 0.31, cold_seconds=0.3)
     forked = LoadEvent("k", name, "cold", 0.31, cold_seconds=0.3,
                        reason="being cached in the background")
-    assert describe_load(stored) == f"cold 0.31 s, now cached  {name}"
-    assert describe_load(forked) == f"cold 0.31 s, being cached in the background  {name}"
+    assert describe_load(stored) == (f"cold 0.31 s (load 0.30 s + cache it 0.01 s), "
+                                     f"now cached  {name}")
+    assert describe_load(forked) == (f"cold 0.31 s (load 0.30 s + cache it 0.01 s), "
+                                     f"being cached in the background  {name}")

@@ -15,7 +15,7 @@ from traitlets.config import Config
 
 import overmind_lab
 from overmind_lab import Client, OvermindWarning
-from overmind_lab._common.display import StatusReport
+from overmind_lab._common.display import StatusReport, describe_load, format_seconds
 
 LOAD = "unet = UNet2DConditionModel.from_pretrained(p)"
 WARM = re.compile(
@@ -81,6 +81,52 @@ def test_a_statement_loads_cold_then_warm_with_one_line_each(
     again = shell.user_ns["unet"]
     assert type(again).__name__ == "UNet2DConditionModel"
     assert all(torch.equal(first[k], v) for k, v in again.state_dict().items())
+
+
+def test_the_cold_time_a_warm_line_compares_with_is_the_one_the_cold_line_shows(
+        shell: InteractiveShell, daemon: Client, capsys: pytest.CaptureFixture[str]) -> None:
+    """The first load's line splits its time into the load and the caching; the load part is the
+    entry's ``cold_seconds``, which every warm line (and the sidebar) compares with."""
+    shell.run_line_magic("overmind_load", LOAD)
+    [cold] = lines(capsys)
+    found = re.match(r"^cold (\S+ m?s) \(load (\S+ m?s) \+ cache it (\S+ m?s)\), now cached  ",
+                     cold)
+    assert found, cold
+    shell.run_line_magic("overmind_load", LOAD)
+    [warm] = lines(capsys)
+    assert f"(cold load was {found.group(2)}, " in warm, (cold, warm)
+    [entry] = daemon.entries()
+    assert format_seconds(entry["cold_seconds"]) == found.group(2)
+
+
+def test_a_load_that_starts_the_daemon_shows_that_time_apart(
+        shell: InteractiveShell, daemon: Client, capsys: pytest.CaptureFixture[str]) -> None:
+    """After the daemon stopped, the next load starts one: its line says so, and the hit is
+    compared with the cold load without the start (it was shown as 0.21x, a slow-down)."""
+    shell.run_line_magic("overmind_load", "-q " + LOAD)
+    assert daemon.stop()
+    shell.run_line_magic("overmind_load", LOAD)
+    [line] = lines(capsys)
+    assert re.match(r"^warm (\S+ m?s) \(start the cache daemon \S+ m?s \+ hit \S+ m?s; "
+                    r"cold load was \S+ m?s, ", line), line
+    assert daemon.status()["running"]
+    [entry] = daemon.entries()
+    # the daemon's warm time is the hit's, without the start
+    assert f"hit {format_seconds(entry['warm_seconds'][-1])};" in line
+
+
+def test_a_hit_slower_than_its_cold_load_is_not_called_a_speed_up() -> None:
+    from overmind_lab import LoadEvent
+
+    name = "UNet2DConditionModel.from_pretrained('/m')"
+    slow = LoadEvent("k", name, "warm", 0.63, cold_seconds=0.13)
+    assert describe_load(slow) == f"warm 0.63 s (cold load was 0.13 s, this hit 4.8x slower)  {name}"
+    assert slow.summary() == "warm 0.63 s (cold load was 0.13 s, this hit 4.8x slower)"
+    fast = LoadEvent("k", name, "warm", 0.05, cold_seconds=2.91)
+    assert fast.summary() == "warm 0.05 s (cold load was 2.91 s, 58x)"
+    started = LoadEvent("k", name, "cold", 0.22, cold_seconds=0.13, daemon_seconds=0.4)
+    assert describe_load(started, name=False) == (
+        "cold 0.62 s (start the cache daemon 0.40 s + load 0.13 s + cache it 0.09 s), now cached")
 
 
 def test_verify_compares_the_hit_with_a_plain_load(

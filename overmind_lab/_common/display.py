@@ -82,24 +82,43 @@ def format_ago(epoch: float | None, now: float | None = None) -> str:
     return f"{delta / 86400:.1f} days ago"
 
 
-def describe_load(event: Any) -> str:
+def describe_load(event: Any, *, name: bool = True) -> str:
     """One line for a ``LoadEvent``, e.g. ``warm 0.05 s (cold load was 2.91 s, 41x)``, then the
-    callable and its main argument after two spaces."""
+    callable and its main argument after two spaces (``name=False``: without them).
+
+    The cold time a warm line compares with is the entry's ``cold_seconds``: the loader's own time
+    in the process that cached it, without storing; a cold line therefore shows its parts. A load
+    that had to start the daemon shows that apart (Note [What a load's times say] in
+    ``_loading/load.py``), and a hit slower than the cold load says so, never as a speed-up.
+
+    >>> from overmind_lab import LoadEvent
+    >>> describe_load(LoadEvent("k", "M.from_pretrained('/m')", "cold", 0.22, cold_seconds=0.13))
+    "cold 0.22 s (load 0.13 s + cache it 0.09 s), now cached  M.from_pretrained('/m')"
+    """
     outcome = getattr(event, "outcome", "?")
-    seconds = format_seconds(getattr(event, "seconds", None))
+    own = getattr(event, "seconds", None)
+    daemon = getattr(event, "daemon_seconds", None)
+    total = None if own is None else own + (daemon or 0.0)
+    seconds = format_seconds(total)
     cold = getattr(event, "cold_seconds", None)
     reason = getattr(event, "reason", None)
+    started = f"start the cache daemon {format_seconds(daemon)}"
     if outcome == "warm":
-        if cold:
-            speedup = format_speedup(cold, getattr(event, "seconds", None))
-            extra = f", {speedup}" if speedup else ""
-            text = f"warm {seconds} (cold load was {format_seconds(cold)}{extra})"
+        compared = _compared(cold, own)
+        if daemon:
+            inner = f"{started} + hit {format_seconds(own)}" + (f"; {compared}" if compared else "")
+            text = f"warm {seconds} ({inner})"
         else:
-            text = f"warm {seconds}"
+            text = f"warm {seconds}" + (f" ({compared})" if compared else "")
         if getattr(event, "verified", None):
             text += ", verified equal to a plain load"
     elif outcome == "cold":
-        text = f"cold {seconds}, {reason or 'now cached'}"
+        parts = [started] if daemon else []
+        if cold is not None and own is not None:
+            parts += [f"load {format_seconds(cold)}",
+                      f"cache it {format_seconds(max(own - cold, 0.0))}"]
+        inner = f" ({' + '.join(parts)})" if parts else ""
+        text = f"cold {seconds}{inner}, {reason or 'now cached'}"
     elif outcome == "bypass":
         text = f"cold {seconds} (cache bypassed)"
     elif outcome == "uncached":
@@ -108,8 +127,21 @@ def describe_load(event: Any) -> str:
         text = f"loaded {seconds} without the cache" + (f": {reason}" if reason else "")
     else:
         text = f"{outcome} {seconds}" + (f": {reason}" if reason else "")
-    name = getattr(event, "name", None)
-    return f"{text}  {name}" if name else text
+    called = getattr(event, "name", None) if name else None
+    return f"{text}  {called}" if called else text
+
+
+def _compared(cold: float | None, warm: float | None) -> str:
+    """``'cold load was 2.91 s, 41x'``; a hit slower than the cold load: ``'cold load was 0.13 s,
+    this hit 4.8x slower'``; ``''`` without a cold time."""
+    if not cold:
+        return ""
+    text = f"cold load was {format_seconds(cold)}"
+    if not warm or warm <= 0:
+        return text
+    if warm > cold:
+        return f"{text}, this hit {warm / cold:.2g}x slower"
+    return f"{text}, {format_speedup(cold, warm)}"
 
 
 def _cells(rows: Iterable[Sequence[object]]) -> list[list[str]]:

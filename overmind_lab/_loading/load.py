@@ -17,6 +17,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from overmind_lab._errors import (
@@ -39,13 +40,15 @@ from overmind_lab._loading.pickling import (
 from overmind_lab._loading.segments import map_segment, write_segment
 
 if TYPE_CHECKING:
-    from typing import NotRequired, TypedDict
+    from typing import TypedDict
+
+    from typing_extensions import NotRequired
 
     from overmind_lab._common.messages import WireEntry
     from overmind_lab._loading import background
 
 __all__ = ["load", "bypass", "refreshing", "verifying", "set_verify", "record_loads",
-           "LoadEvent", "key_of"]
+           "LoadEvent", "key_of", "loader_traceback"]
 
 VERIFY_ENV = "OVERMIND_LAB_VERIFY"
 
@@ -89,18 +92,22 @@ class LoadEvent:
     # Written out, not a ``@dataclass``: Note [A first call's imports]. Same constructor,
     # equality and repr as the dataclass it was.
     __slots__ = __match_args__ = ("key", "name", "outcome", "seconds", "cold_seconds", "reason",
-                                  "verified")
+                                  "verified", "daemon_seconds")
 
     def __init__(self, key: str | None, name: str, outcome: str, seconds: float,
                  cold_seconds: float | None = None, reason: str | None = None,
-                 verified: bool | None = None) -> None:
+                 verified: bool | None = None, daemon_seconds: float | None = None) -> None:
         self.key = key
         self.name = name
         self.outcome = outcome
+        #: the load's own time (Note [What a load's times say]); ``daemon_seconds`` not included
         self.seconds = seconds
+        #: the cold load's time as recorded with the entry: the loader, without storing
         self.cold_seconds = cold_seconds
         self.reason = reason
         self.verified = verified  # verify mode: the hit equalled a plain load (or not)
+        #: starting the cache daemon, when this load had to (none was running)
+        self.daemon_seconds = daemon_seconds
 
     def _fields(self) -> tuple[Any, ...]:
         return tuple(getattr(self, f) for f in self.__slots__)
@@ -118,11 +125,12 @@ class LoadEvent:
 
     def summary(self) -> str:
         """One human line, e.g. ``warm 0.05 s (cold load was 2.91 s, 58x)``."""
+        if self.outcome == "warm":
+            from overmind_lab._common.display import describe_load
+
+            return describe_load(self, name=False)
         text = f"{self.outcome} {self.seconds:.2f} s"
-        if self.outcome == "warm" and self.cold_seconds:
-            speedup = self.cold_seconds / max(self.seconds, 1e-9)
-            text += f" (cold load was {self.cold_seconds:.2f} s, {speedup:.0f}x)"
-        elif self.reason:
+        if self.reason:
             text += f" ({self.reason})"
         return text
 
@@ -134,6 +142,7 @@ class _State(threading.local):
         self.refresh = 0
         self.verify = 0
         self.recorders: list[list[LoadEvent]] = []
+        self.daemon_seconds: float | None = None  # this load started the daemon: how long
 
 
 _state = _State()
@@ -205,6 +214,8 @@ def record_loads() -> Iterator[list[LoadEvent]]:
 
 
 def _emit(event: LoadEvent) -> None:
+    if event.daemon_seconds is None:
+        event.daemon_seconds = _state.daemon_seconds
     for events in _state.recorders:
         events.append(event)
 
@@ -217,6 +228,65 @@ def _plain(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) 
         _state.depth -= 1
 
 
+# Note [Tracebacks that show the user's code]: an exception of the loader (a typo'd path, a
+# missing file, a wrong argument) reaches the user with the same type, message, attributes,
+# ``__cause__`` and ``__context__`` as a plain call (Note [Clean exceptions]), and with the same
+# frames: the user's line, then one frame of ours (the entry point they called: ``load`` or a
+# patched ``from_pretrained``), then every frame of the loader. Without this, a typo'd path showed
+# 7 of our frames above diffusers' own error. Each entry point catches what leaves it and asks
+# ``loader_traceback``:
+# - the exception came out of the loader if its traceback passes through ``_plain`` (the one place
+#   a load calls the loader) or through an entry point that already cut it (its local
+#   ``loader_frames`` is the rest of the traceback: a patched method calling ``load``); anything
+#   else is an error of ours (a daemon we cannot start, ``MissingDependency``, a bug) and is
+#   re-raised whole with a bare ``raise``: an internal error of the cache never reaches the user
+#   from the loader's call anyway (Note [Never worse than plain]), and one that surfaces keeps
+#   every frame;
+# - the entry point re-raises it with the traceback below the loader call (``with_traceback``),
+#   so Python adds back only the entry point's own frame. Frames between the two that are not
+#   ours (a user's wrapper around ``overmind_lab.load``) are kept;
+# - inside the loader's frames, ours that the exception only passed through are dropped (a nested
+#   patched ``from_pretrained``: a pipeline loading its components; a wrapped ``Logger.handle``:
+#   Note [Wrapped while watched] in ``wrapping``); one it was raised in stays (a bug of ours, or
+#   a C function behind one of our wrappers, which look alike).
+# The traceback objects are new (``types.TracebackType``) over the same frames; the exception
+# object is the loader's own. The magic cuts its own frames the same way (``magics.py``).
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _ours(frame: FrameType) -> bool:
+    return frame.f_code.co_filename.startswith(_PACKAGE)
+
+
+def loader_traceback(tb: TracebackType | None) -> tuple[bool, TracebackType | None]:
+    """``(True, frames)`` when the exception whose traceback is ``tb`` (starting at the frame that
+    caught it) came out of the loader: the frames a re-raise should carry, the catching frame's and
+    ours left out (Note [Tracebacks that show the user's code]); ``(False, tb)`` when it did not."""
+    above: list[TracebackType] = []  # entries between the catching frame and the loader call
+    entry = tb.tb_next if tb is not None else None
+    while entry is not None:
+        frame = entry.tb_frame
+        if frame.f_code is _plain.__code__:
+            below = entry.tb_next
+            break
+        if _ours(frame) and frame.f_locals.get("loader_frames", False) is entry.tb_next:
+            below = entry.tb_next  # cut by an entry point already
+            break
+        above.append(entry)
+        entry = entry.tb_next
+    else:
+        return False, tb
+    kept = [e for e in above if not _ours(e.tb_frame)]
+    while below is not None:
+        if not (_ours(below.tb_frame) and below.tb_next is not None):
+            kept.append(below)
+        below = below.tb_next
+    rebuilt: TracebackType | None = None
+    for e in reversed(kept):
+        rebuilt = TracebackType(rebuilt, e.tb_frame, e.tb_lasti, e.tb_lineno)
+    return True, rebuilt
+
+
 def load(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     """Call ``fn(*args, **kwargs)`` through the cache: the first call (in any process of this user)
     parks the result in shared memory, later ones rebuild it without copying tensor bytes. In-place
@@ -227,45 +297,65 @@ def load(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     """
     if _state.depth:  # nested inside a cached load: part of the outer result
         return fn(*args, **kwargs)
-    # Without torch no load can be cached: one error naming the extra, before any daemon.
-    from overmind_lab._extras import require
-
-    require("torch", "overmind_lab.load()")
-    start = time.perf_counter()
-    if _state.bypass:
-        result = _plain(fn, args, kwargs)
-        _emit(LoadEvent(None, _keys.describe(fn, args, kwargs), "bypass",
-                        time.perf_counter() - start))
-        return result
-    # Note [Clean exceptions]: the loader is never called inside one of our ``except`` blocks, or
-    # its exception would carry ours as __context__ in the user's traceback.
-    key_error: str | None = None
     try:
-        info = _keys.make_key(fn, args, kwargs)
-    except NotCacheable as exc:
-        key_error = str(exc)
-    if key_error is not None:
-        _warn_once(f"key:{key_error}", f"loading without the cache: {key_error}")
-        result = _plain(fn, args, kwargs)
-        _emit(LoadEvent(None, _keys.describe(fn, args, kwargs), "uncached",
-                        time.perf_counter() - start, reason=key_error))
-        return result
-    unavailable: BaseException | None = None
-    try:
-        client = Client()
-        session = client.session()
-    except (OvermindError, OSError) as exc:
-        unavailable = exc
-    if unavailable is not None:
-        return _fallback(fn, args, kwargs, info, start, unavailable)
-    if client.replaced_dead_daemon:
-        _warn_once(f"restart:{client.path}:{time.time()}",
-                   f"the cache daemon on {client.path} had died; a new one was started "
-                   "(entries it had saved on disk are kept, the others load cold)")
-    with session:
-        return _load_with(session, fn, args, kwargs, info, start)
+        # Without torch no load can be cached: one error naming the extra, before any daemon.
+        from overmind_lab._extras import require
+
+        require("torch", "overmind_lab.load()")
+        _state.daemon_seconds = None
+        start = time.perf_counter()
+        if _state.bypass:
+            result = _plain(fn, args, kwargs)
+            _emit(LoadEvent(None, _keys.describe(fn, args, kwargs), "bypass",
+                            time.perf_counter() - start))
+            return result
+        # Note [Clean exceptions]: the loader is never called inside one of our ``except`` blocks,
+        # or its exception would carry ours as __context__ in the user's traceback.
+        key_error: str | None = None
+        try:
+            info = _keys.make_key(fn, args, kwargs)
+        except NotCacheable as exc:
+            key_error = str(exc)
+        if key_error is not None:
+            _warn_once(f"key:{key_error}", f"loading without the cache: {key_error}")
+            result = _plain(fn, args, kwargs)
+            _emit(LoadEvent(None, _keys.describe(fn, args, kwargs), "uncached",
+                            time.perf_counter() - start, reason=key_error))
+            return result
+        unavailable: BaseException | None = None
+        try:
+            client = Client()
+            absent = not client.path.exists()
+            connecting = time.perf_counter()
+            session = client.session()
+        except (OvermindError, OSError) as exc:
+            unavailable = exc
+        if unavailable is not None:
+            return _fallback(fn, args, kwargs, info, start, unavailable)
+        if absent or client.replaced_dead_daemon:  # Note [What a load's times say]
+            _state.daemon_seconds = time.perf_counter() - connecting
+            start += _state.daemon_seconds
+        if client.replaced_dead_daemon:
+            _warn_once(f"restart:{client.path}:{time.time()}",
+                       f"the cache daemon on {client.path} had died; a new one was started "
+                       "(entries it had saved on disk are kept, the others load cold)")
+        with session:
+            return _load_with(session, fn, args, kwargs, info, start)
+    except BaseException as error:
+        found, loader_frames = loader_traceback(error.__traceback__)
+        if not found:
+            raise  # ours: whole (Note [Tracebacks that show the user's code])
+        error.with_traceback(loader_frames)
+        raise error  # the loader's own exception, with its frames below (none of ours)
 
 
+# Note [What a load's times say]: a load's ``seconds`` is its own time: the key, the lookup and the
+# hit, or the loader and the store; a daemon this load had to start (none was running: stopped, or
+# dead and replaced) takes ``daemon_seconds`` apart, so that a warm hit right after a restart of the
+# daemon is not shown as slower than its cold load, and the recorded ``cold_seconds`` (what every
+# view compares warm loads with: the loader's time up to its return, not the store) and the warm
+# times reported to the daemon count no daemon start. The magic's line shows both
+# (``display.describe_load``).
 def _fallback(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any],
               info: _keys.KeyInfo, start: float, exc: BaseException) -> T:
     _warn_once(f"daemon:{exc}", f"the cache is unavailable, loading {info.name} "

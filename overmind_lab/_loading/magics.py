@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import linecache
 import re
-from typing import Any
+from types import TracebackType
+from typing import Any, Literal
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
@@ -128,8 +130,18 @@ class OvermindMagics(Magics):
             if not args.quiet:
                 print(_kernel_status())
             return None
-        return self._run(source, cold=args.cold, refresh=args.refresh, verify=args.verify,
-                         quiet=args.quiet)
+        try:
+            return self._run(source, cold=args.cold, refresh=args.refresh, verify=args.verify,
+                             quiet=args.quiet)
+        except BaseException as error:
+            statement_frames = _statement_traceback(error)
+            if statement_frames is False:
+                raise  # not the statement's: ours, whole
+            # Note [The statement's own traceback]: IPython hides this frame (the magic is part of
+            # the cell's line, as IPython's own frames are); below it, the statement's frames.
+            __tracebackhide__ = True  # noqa: F841 - read by IPython from the frame's locals
+            error.with_traceback(statement_frames)
+            raise error  # the statement's own exception, its frames below
 
     @magic_arguments()
     @line_magic
@@ -181,24 +193,68 @@ class OvermindMagics(Magics):
         shell = self.shell
         assert shell is not None
         code = shell.transform_cell(source)
-        tree = shell.transform_ast(shell.compile.ast_parse(code))
+        filename = _statement_file(code)
+        tree = shell.transform_ast(shell.compile.ast_parse(code, filename))
         last: ast.Expression | None = None
         if tree.body and isinstance(tree.body[-1], ast.Expr):
             last = ast.Expression(tree.body.pop().value)
         namespace = shell.user_ns
-        exec(shell.compile(tree, "<overmind_load>", "exec"), namespace)  # noqa: S102 - the user's own statement
+        exec(shell.compile(tree, filename, "exec"), namespace)  # noqa: S102 - the user's own statement
         if last is not None:
-            code = shell.compile(last, "<overmind_load>", "eval")  # type: ignore[arg-type]
-            return eval(code, namespace)
+            compiled = shell.compile(last, filename, "eval")  # type: ignore[arg-type]
+            return eval(compiled, namespace)
         return None
 
+
+# Note [The statement's own traceback]: the statement runs as code compiled from a string, so its
+# frame's source is registered in ``linecache`` under a name of its own, ``<%overmind_load-N>``
+# (one per distinct statement, never evicted: ``mtime`` None, as IPython caches a cell), and a
+# traceback shows the user's statement, not "Could not get source". An exception that passed
+# through the statement (the loader's, or the user's own code's) is re-raised by the magic with
+# the traceback from the statement's frame down: the magic's frames are left out, and the
+# one left (the re-raise) carries ``__tracebackhide__``, which IPython's display honours; a
+# patched ``from_pretrained`` or ``load`` below has cut its own (Note [Tracebacks that show the
+# user's code] in ``load``). A ``SyntaxError`` in the statement keeps no frame of ours either.
+# An exception that never reached the statement (a ``UsageError``, a failure of ours) is
+# re-raised whole.
+_statement_files: dict[str, str] = {}
+
+
+def _statement_file(code: str) -> str:
+    """The ``linecache`` name of a statement's source (registered on first use)."""
+    name = _statement_files.get(code)
+    if name is None:
+        name = f"<%overmind_load-{len(_statement_files) + 1}>"
+        lines = [line + "\n" for line in code.splitlines()]
+        linecache.cache[name] = (len(code), None, lines, name)
+        _statement_files[code] = name
+    return name
+
+
+def _statement_traceback(error: BaseException) -> TracebackType | None | Literal[False]:
+    """The traceback from the statement's frame down (Note [The statement's own traceback]);
+    ``None`` for a ``SyntaxError`` of the statement; ``False`` when the statement never ran."""
+    names = set(_statement_files.values())
+    if isinstance(error, SyntaxError) and error.filename in names:
+        return None
+    entry = error.__traceback__
+    while entry is not None:
+        if entry.tb_frame.f_code.co_filename in names:
+            return entry
+        entry = entry.tb_next
+    return False
 
 def _ensure_patched() -> None:
     global _patched_by_extension
     from overmind_lab._loading.patch import is_patched, patch_all
 
     if not is_patched():
-        patch_all()
+        # the libraries installed here: a kernel with torch alone still runs
+        # ``%overmind_load x = overmind_lab.load(my_loader, ...)``
+        from overmind_lab._extras import missing
+
+        absent = missing(("diffusers", "transformers"))
+        patch_all(diffusers="diffusers" not in absent, transformers="transformers" not in absent)
         _patched_by_extension = True
 
 
