@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -341,3 +342,201 @@ def test_the_chart_is_an_svg_of_the_results() -> None:
     assert svg.count("<rect") >= 1 + 3 + 6 + 3  # background, load bars, kernel bars, legend
     for text in ("UNet fp16 → fp16", "500 ms", "20.0 s", "100 ms", "a note", "1024 MiB"):
         assert text in svg, text
+
+
+# -- `overmind-lab bench PATH` (overmind_lab/measure.py, overmind_lab/_measuring.py) ----------
+#
+# The user-facing command on a real model folder (a tiny UNet written by save_pretrained), run
+# as a user runs it, with a real private daemon. Every process it starts inherits a marker in its
+# environment; afterwards no process may carry it. No wall-clock bound is asserted: the time is
+# measured by hand (a shared, noisy machine).
+
+BENCH_ROWS = ("plain from_pretrained", "first load, cached (cold)", "warm load",
+              "warm load after a daemon restart")
+
+
+def _tiny_unet(path: Path) -> Path:
+    from diffusers import UNet2DConditionModel
+
+    UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
+        block_out_channels=(32, 64), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32,
+        norm_num_groups=32).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_unet(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _tiny_unet(tmp_path_factory.mktemp("bench-model") / "unet")
+
+
+def _bench_env(tmp_path: Path, marker: str) -> dict[str, str]:
+    env = dict(os.environ, OVERMIND_LAB_SOCKET=str(tmp_path / "user-run" / "daemon.sock"),
+               XDG_CACHE_HOME=str(tmp_path / "xdg"), OVERMIND_BENCH_TEST_MARK=marker)
+    env.pop("OVERMIND_LAB_CACHE_DIR", None)
+    return env
+
+
+def _carrying(marker: str) -> list[int]:
+    """Live processes whose environment holds ``marker`` (each process the bench started)."""
+    needle = f"OVERMIND_BENCH_TEST_MARK={marker}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0") and _alive(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
+def _private_socket(stdout: str) -> Path:
+    import re
+
+    match = re.search(r"private daemon on (\S+)", stdout)
+    assert match, stdout
+    return Path(match.group(1))
+
+
+@pytest.mark.slow  # the imports once, then four loads in forked processes
+@pytest.mark.timeout(600)
+def test_bench_path_measures_every_row_with_progress(tiny_unet: Path, tmp_path: Path) -> None:
+    marker = f"run-{os.getpid()}-{time.monotonic_ns()}"
+    proc = subprocess.run(
+        [sys.executable, "-m", "overmind_lab", "bench", str(tiny_unet), "--repeat", "1"],
+        capture_output=True, text=True, timeout=540, cwd=tmp_path,
+        env=_bench_env(tmp_path, marker), check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout.splitlines()
+    assert out[0].startswith("overmind-lab bench: UNet2DConditionModel (diffusers) from ")
+    for label in BENCH_ROWS:
+        [line] = [ln for ln in out if ln.startswith(label + "  ")]
+        assert line.split()[-1] in ("plain", "cold", "warm"), line
+    assert [ln.split()[-1] for ln in out if ln.startswith(BENCH_ROWS)] == \
+        ["plain", "cold", "warm", "warm"]
+    assert "A fresh process (a kernel after a restart) waits imports + load + first touch" \
+        in proc.stdout
+    assert "timed once, in a fresh process" in " ".join(proc.stdout.split())
+
+    # progress: the total up front, then a line for every step, each with the total refined
+    progress = proc.stderr.splitlines()
+    assert progress, proc.stderr
+    assert all(ln.startswith("bench [") and " s of about " in ln for ln in progress), progress
+    assert "importing torch, diffusers and overmind_lab once" in progress[0]
+    assert "into the page cache" in progress[1]
+    assert "imports: torch " in progress[2]
+    steps = [ln.split("] ", 1)[1] for ln in progress]
+    for label in BENCH_ROWS:
+        assert any(s.startswith(f"{label} 1/1: load ") for s in steps), steps
+    assert "private daemon started" in steps
+    assert steps[-1].startswith("done")
+    assert "Traceback" not in proc.stderr and "Warning" not in proc.stderr
+
+    # nothing it started runs on; its private socket folder and cache are gone; the user's
+    # daemon and cache were never touched
+    assert _carrying(marker) == []
+    assert not _private_socket(proc.stdout).parent.exists()
+    assert not (tmp_path / "user-run").exists()
+    assert list((tmp_path / "xdg").iterdir()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ctrl_c_stops_everything_the_bench_started(tiny_unet: Path, tmp_path: Path) -> None:
+    marker = f"int-{os.getpid()}-{time.monotonic_ns()}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "overmind_lab", "bench", str(tiny_unet), "--repeat", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        env=_bench_env(tmp_path, marker), start_new_session=True)  # its own terminal group
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        header = proc.stdout.readline()
+        seen = []
+        for line in proc.stderr:  # the event: the daemon runs beside the measuring process
+            seen.append(line)
+            if "private daemon started" in line:
+                break
+        assert proc.poll() is None, "".join(seen)
+        running = _carrying(marker)
+        assert len(running) >= 3, running  # the bench, the measuring process, the daemon
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=120) == 130, rest
+        assert "interrupted" in rest and "Traceback" not in rest, rest
+        assert _carrying(marker) == []
+        assert not _private_socket(header).parent.exists()
+        assert list((tmp_path / "xdg").iterdir()) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=30)
+        for pid in _carrying(marker):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_an_unknown_class_fails_at_once_naming_close_ones(tiny_unet: Path,
+                                                          tmp_path: Path) -> None:
+    marker = f"cls-{os.getpid()}-{time.monotonic_ns()}"
+    proc = subprocess.run(
+        [sys.executable, "-m", "overmind_lab", "bench", str(tiny_unet),
+         "--class", "UNet9DConditionModel"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env=_bench_env(tmp_path, marker), check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout == ""  # no header naming a library for a class that is not there
+    error = proc.stderr.splitlines()[-1]
+    assert error.startswith("overmind-lab bench: error: no class UNet9DConditionModel in "
+                            "diffusers or transformers (did you mean "), error
+    assert "UNet2DConditionModel" in error and "--class" in error
+    assert "Traceback" not in proc.stderr
+    assert _carrying(marker) == []
+    assert not (tmp_path / "xdg").exists() and not (tmp_path / "user-run").exists()
+
+
+def test_a_bad_repeat_is_a_usage_error(tiny_unet: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "overmind_lab", "bench", str(tiny_unet),
+                           "--repeat", "0"], capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert proc.returncode == 2
+    assert "argument --repeat: must be at least 1, not 0" in proc.stderr
+
+
+def test_the_class_is_resolved_before_anything_starts(tiny_unet: Path) -> None:
+    from overmind_lab.measure import UsageError, detect, resolve
+
+    library, name, fallback = detect(tiny_unet)
+    assert resolve(library, name, fallback, None) == ("diffusers", "UNet2DConditionModel")
+    assert resolve(*detect(tiny_unet, "diffusers.UNet2DConditionModel"),
+                   "diffusers.UNet2DConditionModel") == ("diffusers", "UNet2DConditionModel")
+    # a class of the other library than the folder's is found there
+    assert resolve(*detect(tiny_unet, "AutoTokenizer"), "AutoTokenizer") == \
+        ("transformers", "AutoTokenizer")
+    with pytest.raises(UsageError, match=r"no class UNet2DConditionModels in diffusers \(did "
+                                         r"you mean UNet2DConditionModel"):
+        resolve(*detect(tiny_unet, "diffusers.UNet2DConditionModels"),
+                "diffusers.UNet2DConditionModels")
+
+
+def test_the_estimate_follows_what_was_measured() -> None:
+    import io
+
+    from overmind_lab.measure import FROM_PLAIN, Progress
+
+    out = io.StringIO()
+    progress = Progress(["imports", "plain", "cold", "warm"],
+                        {"imports": 10.0, "plain": 1.0, "cold": 3.0, "warm": 0.2}, out=out)
+    assert sum(map(progress._cost, progress.left)) == pytest.approx(14.2)
+    progress.say("starting")
+    progress.done("imports", "imports done")
+    progress.done("plain", "plain done")
+    assert progress.left == ["cold", "warm"]
+    # the rows not measured yet follow the plain load measured, not the guesses
+    assert progress._cost("cold") == pytest.approx(FROM_PLAIN["cold"] * progress.taken["plain"])
+    assert progress._cost("warm") == pytest.approx(FROM_PLAIN["warm"] * progress.taken["plain"])
+    lines = out.getvalue().splitlines()
+    assert [ln.split("] ", 1)[1] for ln in lines] == ["starting", "imports done", "plain done"]
+    assert all(ln.startswith("bench [") and " s of about " in ln for ln in lines)
