@@ -183,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in runs:
         if r["outcome"] not in ("cold", "warm"):
             print(f"\nnote: {r['label']} was {r['outcome']}: {r['reason']}")
+    as_root = " --allow-root" if os.geteuid() == 0 else ""  # jupyter refuses root without it
     print(f"""
 The second process got the pipeline from the daemon's shared memory: its tensors map
 the same pages the daemon holds, without copying them. Imports are the part a restart
@@ -190,7 +191,7 @@ still pays.
 
 Next, the notebook (cold vs warm with %timeit, a kernel restart, the cache panel):
 
-    {sys.executable} -m jupyter lab {HERE / 'cold_vs_warm.ipynb'}
+    {sys.executable} -m jupyter lab{as_root} {HERE / 'cold_vs_warm.ipynb'}
 
 {warm_kernel_note()}
 

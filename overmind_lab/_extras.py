@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from overmind_lab._errors import OvermindError
 
-__all__ = ["EXTRAS", "MissingDependency", "missing", "require"]
+__all__ = ["EXTRAS", "MissingDependency", "missing", "require", "require_one"]
 
 #: The import names each extra provides (what the features of that extra import).
 EXTRAS: dict[str, tuple[str, ...]] = {
@@ -58,3 +58,19 @@ def require(extra: str, feature: str, modules: Sequence[str] | None = None) -> N
         raise MissingDependency(
             f"{feature} needs {what}, which {verb} not installed here: "
             f'pip install "overmind-lab[{extra}]"', name=absent[0])
+
+
+def require_one(libraries: Sequence[str], feature: str) -> None:
+    """Raise :class:`MissingDependency` unless one of ``libraries`` imports, each the library of
+    the extra of its name (``"diffusers"``, ``"transformers"``); none given, none is needed.
+    ``feature`` as for :func:`require` (``"overmind_lab.patch_all()"``)."""
+    absent = missing(libraries)
+    if not libraries or len(absent) < len(libraries):
+        return
+    if len(libraries) == 1:
+        require(libraries[0], feature, libraries)
+    what = ", ".join(libraries[:-1]) + " or " + libraries[-1]
+    which = "neither of which" if len(libraries) == 2 else "none of which"
+    installs = " or ".join(f'"overmind-lab[{name}]"' for name in libraries)
+    raise MissingDependency(f"{feature} needs {what}, {which} is installed here: "
+                            f"pip install {installs}", name=libraries[0])

@@ -17,10 +17,17 @@
                                                      the warm kernel (forked from a zygote)
 
 Every command but ``bench`` (which runs a private daemon) takes ``--socket PATH`` (default
-``$OVERMIND_LAB_SOCKET`` or the per-user socket). Exit status: 0 success, 1 failure (also:
-an optional dependency is missing; the message names the extra to install), 2 usage error,
-3 daemon not running, 141 the reader of the output went away
-(``overmind-lab status | head -3``), as for a command that SIGPIPE ended.
+``$OVERMIND_LAB_SOCKET`` or the per-user socket). Exit status (:data:`EXIT_STATUS`, also in
+``overmind-lab --help``): 0 success, 1 failure (also: an optional dependency is missing; the
+message names the extra to install), 2 usage error, 3 no daemon to talk to (none runs, for
+``status``, ``evict KEY`` and ``refresh``; or one that does not answer, or a socket folder or
+server that cannot be trusted: the message says which and what to do), 130 interrupted
+(Ctrl-C), 141 the reader of the output went away (``overmind-lab status | head -3``), as
+for a command that SIGPIPE ended.
+
+Note [Nothing to do is no error]: with no daemon running, ``stop`` (nothing to stop), ``ls``
+(nothing cached) and ``evict --all`` (nothing to evict) say so and exit 0, so that an uninstall
+script under ``set -e`` goes on; a daemon that is there but cannot be used still fails them.
 """
 
 from __future__ import annotations
@@ -32,12 +39,26 @@ import sys
 from typing import Any
 
 from overmind_lab._common.sizes import format_size
-from overmind_lab._errors import DaemonUnavailable, OvermindError
+from overmind_lab._errors import DaemonUnavailable, NotAnswering, OvermindError
 
-__all__ = ["main"]
+__all__ = ["EXIT_STATUS", "main"]
 
+FAILURE = 1
+USAGE = 2
 NOT_RUNNING = 3
+INTERRUPTED = 128 + 2  # as a shell reports a command that SIGINT ended
 BROKEN_PIPE = 128 + 13  # as a shell reports a command that SIGPIPE ended
+
+#: The exit statuses, as ``overmind-lab --help`` lists them.
+EXIT_STATUS = f"""\
+exit status:
+  0    success; also stop, ls and evict --all when no daemon runs (nothing to do)
+  {FAILURE}    failure (a missing optional dependency: the message names the extra)
+  {USAGE}    usage error
+  {NOT_RUNNING}    no daemon to talk to: none runs (status, evict KEY, refresh), or the one
+       there does not answer, or its socket's folder or server is not to be trusted
+  {INTERRUPTED}  interrupted (Ctrl-C)
+  {BROKEN_PIPE}  the reader of the output went away (overmind-lab ls | head)"""
 
 
 def _client(args: argparse.Namespace) -> Any:
@@ -58,10 +79,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     elif status.get("not_answering"):
         print(f"not answering  pid {status.get('pid', '?')} on {status['socket']}")
         print(f"               {status['error']}")
+    elif "error" in status and "no overmind-lab daemon is listening" not in status["error"]:
+        # a folder or server not to trust, another user's daemon: whether one runs is unknown
+        print(f"unavailable (socket {status['socket']})")
+        print(f"  {status['error']}")
     elif not status["running"]:
-        print(f"not running (socket {status['socket']})")
-        if "error" in status and "no overmind-lab daemon is listening" not in status["error"]:
-            print(f"  {status['error']}")
+        print(f"not running (socket {status['socket']}); a load starts it, as does "
+              "`overmind-lab serve --detach`")
     else:
         print(f"running      pid {status['pid']}, up {status['uptime_seconds']:.0f} s, "
               f"version {status['version']}")
@@ -91,11 +115,33 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0 if status["running"] else NOT_RUNNING
 
 
+def _absent(exc: DaemonUnavailable) -> bool:
+    """Whether ``exc`` says only that no daemon listens: no socket file, or the stale one of a
+    daemon that is gone (Note [Nothing to do is no error]); not a daemon that does not answer,
+    nor a folder or server not to trust."""
+    return (not isinstance(exc, NotAnswering)
+            and isinstance(exc.__cause__, (FileNotFoundError, ConnectionRefusedError)))
+
+
+def _nothing_cached(client: Any, key: str, what: str = "") -> DaemonUnavailable:
+    return DaemonUnavailable(f"no daemon running on {client.path}: nothing is cached, so no "
+                             f"entry matches {key!r}{what}")
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     from overmind_lab._common.display import ENTRY_HEADERS, entry_row, format_ago, text_table
 
     client = _client(args)
-    entries = client.entries()
+    try:
+        entries = client.entries()
+    except DaemonUnavailable as exc:
+        if not _absent(exc):
+            raise
+        if args.json:
+            _print_json([])
+        else:
+            print(f"nothing cached: no daemon running on {client.path}")
+        return 0
     if args.json:
         _print_json(entries)
         return 0
@@ -111,11 +157,22 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_evict(args: argparse.Namespace) -> int:
-    client = _client(args)
     if args.all == bool(args.key):
         print("overmind-lab evict: give a KEY or --all (not both)", file=sys.stderr)
-        return 2
-    evicted = client.evict_all() if args.all else client.evict(args.key)
+        return USAGE
+    client = _client(args)
+    try:
+        evicted = client.evict_all() if args.all else client.evict(args.key)
+    except DaemonUnavailable as exc:
+        if not _absent(exc):
+            raise
+        if not args.all:
+            raise _nothing_cached(client, args.key) from exc
+        if args.json:  # Note [Nothing to do is no error]
+            _print_json({"evicted": []})
+        else:
+            print(f"evicted 0 entries: no daemon running on {client.path}")
+        return 0
     if args.json:
         _print_json({"evicted": evicted})
     else:
@@ -124,7 +181,14 @@ def cmd_evict(args: argparse.Namespace) -> int:
 
 
 def cmd_refresh(args: argparse.Namespace) -> int:
-    entry = _client(args).refresh(args.key)
+    client = _client(args)
+    try:
+        entry = client.refresh(args.key)
+    except DaemonUnavailable as exc:
+        if not _absent(exc):
+            raise
+        raise _nothing_cached(client, args.key, " to refresh (a load caches it, and starts the "
+                              "daemon)") from exc
     if args.json:
         _print_json(entry)
     else:
@@ -137,14 +201,36 @@ def cmd_stop(args: argparse.Namespace) -> int:
     from overmind_lab._common.naming import socket_path
     from overmind_lab._jupyter_server.kernelspec import stop_zygotes
 
-    stopped = _client(args).stop(force=args.force)
+    client = _client(args)
+    stopped = client.stop(force=args.force)
+    if not stopped:
+        _check_absent(client)
     # Note [Stopping a zygote]: every zygote beside the socket, of every Python environment;
     # their kernels run on
     zygotes = stop_zygotes(socket_path(args.socket).parent)
-    print("stopped" if stopped else "not running")
+    # Note [Nothing to do is no error]: nothing left running either way, `set -e` scripts go on
+    print("stopped" if stopped else f"no daemon running on {client.path}")
     if zygotes:
         print(f"stopped {len(zygotes)} zygote(s): {', '.join(map(str, zygotes))}")
-    return 0  # nothing left running either way: `set -e` scripts go on
+    return 0
+
+
+def _check_absent(client: Any) -> None:
+    """After a ``stop`` that found no daemon to stop (``Client.stop`` is ``False`` for any
+    :class:`DaemonUnavailable`): raise unless none listens, so that a socket folder not to
+    trust, a daemon of another user or one that hung up on ``stop`` is an error, not "no
+    daemon running"."""
+    from overmind_lab._common.naming import log_path
+
+    try:
+        client.connect().close()
+    except DaemonUnavailable as exc:
+        if not _absent(exc):
+            raise
+        return
+    raise DaemonUnavailable(f"the daemon on {client.path} did not take the stop request; "
+                            f"its log {log_path(client.path)} may say why, and "
+                            "`overmind-lab stop --force` kills it")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -169,7 +255,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="overmind-lab", description="Warm model reloads for notebook development.")
+        prog="overmind-lab", description="Warm model reloads for notebook development.",
+        epilog=EXIT_STATUS, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version",
                         version=f"overmind-lab {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -188,15 +275,17 @@ def build_parser() -> argparse.ArgumentParser:
     from overmind_lab._daemon.process import add_serve_arguments
 
     add_serve_arguments(add("serve", cmd_serve, "run the cache daemon", json_flag=False))
-    add("status", cmd_status, "show whether the daemon runs and what it holds")
-    add("ls", cmd_ls, "list cached entries with their statistics")
+    add("status", cmd_status, "show whether the daemon runs and what it holds (exit status "
+        f"{NOT_RUNNING} when it does not)")
+    add("ls", cmd_ls, "list cached entries with their statistics (none when no daemon runs: "
+        "exit status 0)")
     evict = add("evict", cmd_evict, "evict entries (processes holding them keep working)")
     evict.add_argument("key", nargs="?", help="entry key, unique key prefix, or exact name")
     evict.add_argument("--all", action="store_true", help="evict every entry")
     refresh = add("refresh", cmd_refresh, "reload an entry from its source")
     refresh.add_argument("key", help="entry key or unique key prefix")
-    stop = add("stop", cmd_stop, "stop the daemon and the warm-kernel zygotes",
-               json_flag=False)
+    stop = add("stop", cmd_stop, "stop the daemon and the warm-kernel zygotes (none running: "
+               "exit status 0)", json_flag=False)
     stop.add_argument("--force", action="store_true",
                       help="kill a daemon that does not answer or does not stop in time")
     from overmind_lab import measure
@@ -204,6 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     measure.add_parser(sub)
     spec.add_parser(sub)
+    for command in sub.choices.values():  # for the errors ``main`` reports in its usage
+        command.set_defaults(command_parser=command)
     return parser
 
 
@@ -214,7 +305,9 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
+    if extra:  # in the command's own usage, not the top level's (``kernel install --bogus``)
+        args.command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         code = int(args.func(args) or 0)
         sys.stdout.flush()  # here, where a closed pipe can still be handled
@@ -231,9 +324,10 @@ def main(argv: list[str] | None = None) -> int:
         return NOT_RUNNING
     except OvermindError as exc:
         print(f"overmind-lab: {exc}", file=sys.stderr)
-        return 1
+        return FAILURE
     except KeyboardInterrupt:
-        return 130
+        return INTERRUPTED
+
 
 
 if __name__ == "__main__":

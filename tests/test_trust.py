@@ -156,10 +156,10 @@ def test_a_socket_folder_others_can_write_is_refused(tmp_path: Path,
     sock = shared / "d.sock"
     monkeypatch.setenv("OVERMIND_LAB_SOCKET", str(sock))
     monkeypatch.setenv("OVERMIND_LAB_CACHE_DIR", str(tmp_path / "cache"))
-    with pytest.raises(Untrusted, match="every user can write"):
+    with pytest.raises(Untrusted, match="written by every user"):
         check_folder(shared)
     status = Client().status()
-    assert status["running"] is False and "every user can write" in status["error"]
+    assert status["running"] is False and "written by every user" in status["error"]
     proc = run_py(f"""
         import json, sys, warnings, overmind_lab
         sys.path.insert(0, {HERE!r})
@@ -172,7 +172,7 @@ def test_a_socket_folder_others_can_write_is_refused(tmp_path: Path,
     """)
     out = last_json(proc)
     assert out["outcome"] == "fallback"
-    assert "every user can write" in out["warnings"][0]
+    assert "written by every user" in out["warnings"][0]
     assert sorted(p.name for p in shared.iterdir()) == []  # nothing created there
     os.chmod(shared, 0o700)
     check_folder(shared)
@@ -270,7 +270,7 @@ def test_serve_refuses_a_socket_folder_others_can_write(tmp_path: Path) -> None:
                            "--socket", str(shared / "d.sock"),
                            "--cache-dir", str(tmp_path / "cache")],
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "every user can write" in proc.stderr, proc
+    assert proc.returncode == 2 and "written by every user" in proc.stderr, proc
     assert list(shared.iterdir()) == []
 
 

@@ -65,9 +65,9 @@ def check_folder(folder: Path, what: str = "socket") -> None:
     elif st.st_uid != me:
         why = f"belongs to uid {st.st_uid}, not to you (uid {me})"
     elif mode & 0o002:
-        why = f"every user can write it (mode {mode:04o})"
+        why = f"can be written by every user (mode {mode:04o})"
     elif mode & 0o020 and others_in_group(st.st_gid):
-        why = f"the other users of group {st.st_gid} can write it (mode {mode:04o})"
+        why = f"can be written by the other users of group {st.st_gid} (mode {mode:04o})"
     if why is None:
         above = replaceable_above(folder / "x")
         if above is not None:

@@ -41,6 +41,7 @@ from types import ModuleType
 from typing import Any
 
 from overmind_lab._errors import OvermindWarning
+from overmind_lab._extras import require, require_one
 
 __all__ = ["get_original", "is_patched", "patch_all", "patched_names", "unpatch_all",]
 
@@ -103,14 +104,17 @@ def patch_all(*, diffusers: bool = True, transformers: bool = True,
     >>> overmind_lab.is_patched()
     True
     """
-    if verify is not None:
-        from overmind_lab._loading.load import set_verify
-
-        set_verify(verify)
     libraries = tuple(
         name for name, wanted in (("diffusers", diffusers), ("transformers", transformers))
         if wanted
     )
+    # like load(): a missing extra is named before anything is patched
+    require("torch", "overmind_lab.patch_all()")
+    require_one(libraries, "overmind_lab.patch_all()")
+    if verify is not None:
+        from overmind_lab._loading.load import set_verify
+
+        set_verify(verify)
     global _hook, _libraries
     with _lock:
         _libraries = tuple(dict.fromkeys(_libraries + libraries))
@@ -179,8 +183,18 @@ def _make_wrapper(original: classmethod) -> classmethod:  # type: ignore[type-ar
         # ``peer/overmind_peer.py``, a user's logging wrapper); it costs nothing.
         import overmind_lab
 
-        # Bound to cls, the class really called: the key names it, not the definer.
-        return overmind_lab.load(original.__get__(None, cls), *args, **kwargs)
+        try:
+            # Bound to cls, the class really called: the key names it, not the definer.
+            return overmind_lab.load(original.__get__(None, cls), *args, **kwargs)
+        except BaseException as error:
+            from overmind_lab._loading.load import loader_traceback
+
+            found, loader_frames = loader_traceback(error.__traceback__)
+            if not found:
+                raise
+            # Note [Tracebacks that show the user's code] in ``load``: this frame, then the loader's
+            error.with_traceback(loader_frames)
+            raise error  # the loader's own exception, with its frames below (none of ours)
 
     setattr(cached, _ORIGINAL_ATTR, original)
     return classmethod(cached)

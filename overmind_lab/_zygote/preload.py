@@ -7,6 +7,7 @@ are preloaded; the user's code must come fresh from disk in every kernel. More i
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -14,15 +15,18 @@ import site
 import sys
 import sysconfig
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 from overmind_lab._common.learned import is_third_party, read_learned, third_party_modules
 
 __all__ = [
-    "DEFAULT_PRELOAD", "PRELOAD_ENV", "Snapshot", "class_module_candidates", "import_third_party",
-    "install_change", "install_snapshot", "own_files", "preload_overmind", "read_learned",
-    "snapshot", "stale_reason", "third_party_modules",
+    "DEFAULT_PRELOAD", "HARMLESS_IMPORT_WARNINGS", "PRELOAD_ENV", "Snapshot",
+    "class_module_candidates", "import_third_party", "install_change", "install_snapshot",
+    "own_files", "preload_overmind", "quiet_imports", "read_learned", "snapshot", "stale_reason",
+    "third_party_modules",
 ]
 
 DEFAULT_PRELOAD = (
@@ -79,6 +83,68 @@ def import_third_party(name: str) -> str | None:
     except Exception as exc:  # noqa: BLE001 - any import failure only drops the module
         return f"{name}: {type(exc).__name__}: {exc}"
     return None
+
+
+# Note [A quiet zygote log]: the zygote's log is read when a warm kernel misbehaves, so it says
+# what the zygote did and what went wrong, not what its imports say to a user who is not there:
+#
+# - debugpy (``ipykernel.debugger``) finds frozen standard modules and prints a "Debugger
+#   warning" at its import, about breakpoints in the standard library of the process being
+#   debugged; the zygote is never debugged. ``PYDEVD_DISABLE_FILE_VALIDATION=1`` during the
+#   preload makes that a debug record (the constant pydevd reads from it, which forked kernels
+#   keep, serves that report only). Not ``-Xfrozen_modules=off`` on the zygote's command line:
+#   every forked kernel would inherit it (``sys._xoptions``, the standard modules' loaders) where
+#   a plain launch of the same kernelspec has frozen modules.
+# - a few warnings of libraries about features the zygote does not use
+#   (:data:`HARMLESS_IMPORT_WARNINGS`), ignored while it imports.
+#
+# Both only around the preload, and taken out after it: a forked kernel has the user's
+# environment (the fork request's) and the filters of a fresh process that imported the same
+# modules (IPython's completer adds one at import: it stays), so it shows every warning its code
+# raises as a plain kernel does (``tests/test_messages_zygote.py``). Hence no ``catch_warnings``,
+# which would also drop the filters the imports added. A warning given once at import is still
+# not given again when a warm kernel imports that module: it was imported before the fork (as for
+# any preloaded module, these or not).
+
+#: ``(message regex, category, module regex)`` of warnings given at import about features the
+#: zygote never uses; ignored while it preloads (Note [A quiet zygote log]).
+HARMLESS_IMPORT_WARNINGS: tuple[tuple[str, type[Warning], str], ...] = (
+    # torchvision built without (or mismatched with) its image or video codecs: only the
+    # decoders of ``torchvision.io`` need them
+    (r"Failed to load (image|video) Python extension", UserWarning, r"torchvision\.io\."),
+    # torchvision 0.15-0.16 on an import of ``transforms.v2`` (transformers' fast image
+    # processors import it)
+    (r"The torchvision\.datapoints and torchvision\.transforms\.v2 namespaces are still Beta",
+     UserWarning, r"torchvision\."),
+)
+
+#: Note [A quiet zygote log]: debugpy's switch of its frozen-modules report to a debug record.
+_DEBUGPY_QUIET = ("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+
+
+@contextlib.contextmanager
+def quiet_imports() -> Iterator[None]:
+    """Note [A quiet zygote log]: imports inside say nothing the zygote's log need not say; after
+    it, the warnings filters are those the imports left (without ours) and the variable of
+    :data:`_DEBUGPY_QUIET` is as it was."""
+    name, value = _DEBUGPY_QUIET
+    had = os.environ.get(name)
+    os.environ.setdefault(name, value)
+    ours = []
+    for message, category, module in HARMLESS_IMPORT_WARNINGS:
+        present = len(warnings.filters)
+        warnings.filterwarnings("ignore", message, category, module)
+        if len(warnings.filters) > present:  # not one the user had already (moved to the front)
+            ours.append(warnings.filters[0])
+    try:
+        yield
+    finally:
+        filters = cast("list[Any]", warnings.filters)  # a list, typed as a Sequence
+        for entry in ours:
+            with contextlib.suppress(ValueError):
+                filters.remove(entry)
+        if had is None:
+            os.environ.pop(name, None)
 
 
 def preload_overmind() -> None:
