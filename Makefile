@@ -68,13 +68,13 @@ ui-deps:
 	@command -v chromium >/dev/null || { apt-get update && apt-get install -y chromium; }
 	cd ui-tests && PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 ../$(JLPM) install --immutable
 
-test: install lint ui-deps test-js test-python
+test: pythons install lint ui-deps test-js test-python
 
 test-js: install
 	$(JLPM) install --immutable
 	$(JLPM) test
 
-test-python: install ui-deps
+test-python: install ui-deps pythons
 	OVERMIND_LAB_REQUIRE_UI=1 $(PY) -m pytest
 
 # The development loop, about 3 minutes on 2 cores: every test not marked `slow` (the
@@ -99,22 +99,64 @@ images: install ui-deps images-bench
 	cp $(UI_ARTIFACTS)/readme-sidebar.png docs/images/sidebar.png
 
 # What a package index gets, in dist/: the sdist (with the prebuilt JupyterLab extension,
-# so that installing it needs no Node.js) and a wheel built from that sdist, repaired by
-# auditwheel to $(DIST_PLAT): the native module needs glibc 2.14 and libstdc++ of GCC 6
-# (Note [Portable native module] in native/portable.cpp). The builds run without isolation,
-# from the build requirements the dev extra installs into .venv. tests/test_install.py
-# builds the same way and installs the result into fresh venvs.
+# so that installing it needs no Node.js) and, for each CPython in DIST_PYTHONS, a wheel built
+# from that sdist and repaired by auditwheel to $(DIST_PLAT): the native module needs glibc
+# 2.14 and libstdc++ of GCC 6 (Note [Portable native module] in native/portable.cpp). The
+# sdist is built without isolation from .venv; each wheel by its own Python, in a build venv
+# (build/dist-env/<version>/, kept) holding the build requirements of pyproject.toml from the
+# package index, pinned by constraints.txt; jupyterlab, which is there only for `jlpm`, is left
+# out: an sdist carries the extension built. tests/test_install.py runs `make dist-files` into
+# a folder of its own and installs every wheel into fresh venvs.
 DIST_PLAT ?= manylinux_2_24_x86_64
+DIST_DIR ?= dist
+DIST_WORK ?= build/dist
+DIST_ENV := build/dist-env
+# The supported CPythons, stated once: pyproject.toml's "Programming Language :: Python ::
+# 3.X" classifiers (requires-python gives the oldest; tests/test_install.py checks they agree).
+DIST_PYTHONS ?= $(shell sed -n 's/^ *"Programming Language :: Python :: \(3\.[0-9]*\)",$$/\1/p' \
+	pyproject.toml)
+# The interpreter of version V: DIST_PYTHON_V if set (make dist DIST_PYTHON_3.12=/usr/bin/python3.12),
+# else pythonV on PATH if it runs (a pyenv shim of a version that is not selected does not),
+# else the newest $(PYENV_ROOT)/versions/V.*/bin/pythonV.
+PYENV_ROOT ?= $(HOME)/.pyenv
+find_python = $(or $(DIST_PYTHON_$(1)),$(shell python$(1) -c 'import sys; print(sys.executable)' \
+	2>/dev/null || ls -dv $(PYENV_ROOT)/versions/$(1).*/bin/python$(1) 2>/dev/null | tail -n 1))
+
+# Each supported version and its interpreter; a missing one is an error that says how to get it
+# (`make test` needs them all: CI must not skip a wheel).
+.PHONY: pythons dist-files
+pythons:
+	@missing=0; $(foreach v,$(DIST_PYTHONS),p='$(call find_python,$(v))'; \
+	if [ -n "$$p" ] && [ -x "$$p" ]; then echo "$(v) $$p"; else missing=1; \
+	echo "make: Python $(v) is missing: $(if $(DIST_PYTHON_$(v)),DIST_PYTHON_$(v)=$$p is not \
+	an executable,no python$(v) on PATH or in $(PYENV_ROOT)/versions); install it (pyenv install \
+	$(v), or your system's python$(v) package) or name it: make $(or $(MAKECMDGOALS),pythons) \
+	DIST_PYTHON_$(v)=/path/to/python$(v)" >&2; fi;) exit $$missing
+
+$(DIST_ENV)/%/.ready: pyproject.toml $(CONSTRAINTS)
+	rm -rf $(@D)
+	$(call find_python,$*) -m venv $(@D)
+	$(@D)/bin/python -m pip install --quiet --upgrade pip
+	$(@D)/bin/python -m pip install --quiet -c $(CONSTRAINTS) $$($(PY) -c 'import tomllib; \
+		print(*(r for r in tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requires"] \
+		if not r.startswith("jupyterlab")))')
+	touch $@
+
 dist: install
-	rm -rf dist
-	$(PY) -m build --sdist --no-isolation --outdir dist .
-	rm -rf build/dist && mkdir -p build/dist
-	tar -xzf dist/overmind_lab-*.tar.gz -C build/dist
-	$(PIP) wheel --no-deps --no-build-isolation -w build/dist/raw \
-		-C build-dir=build/dist/cmake build/dist/overmind_lab-*/
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/auditwheel repair --plat $(DIST_PLAT) \
-		-w dist build/dist/raw/overmind_lab-*.whl
-	@ls -l dist
+	$(MAKE) --no-print-directory dist-files
+
+dist-files: pythons $(foreach v,$(DIST_PYTHONS),$(DIST_ENV)/$(v)/.ready)
+	rm -rf $(DIST_DIR) $(DIST_WORK) && mkdir -p $(DIST_WORK)
+	$(PY) -m build --sdist --no-isolation --outdir $(DIST_DIR) .
+	tar -xzf $(DIST_DIR)/overmind_lab-*.tar.gz -C $(DIST_WORK)
+	@$(foreach v,$(DIST_PYTHONS),echo "building the wheel for Python $(v) (log: \
+		$(DIST_WORK)/wheel-$(v).log)" && nice $(DIST_ENV)/$(v)/bin/python -m pip wheel -v \
+		--no-deps --no-build-isolation -w $(DIST_WORK)/raw -C build-dir=$(DIST_WORK)/cmake-$(v) \
+		$(DIST_WORK)/overmind_lab-*/ > $(DIST_WORK)/wheel-$(v).log 2>&1 \
+		|| { tail -n 30 $(DIST_WORK)/wheel-$(v).log; exit 1; } &&) true
+	set -o pipefail; PATH="$(abspath $(dir $(PY))):$$PATH" $(dir $(PY))auditwheel repair \
+		--plat $(DIST_PLAT) -w $(DIST_DIR) $(DIST_WORK)/raw/overmind_lab-*.whl 2>&1 | grep -v '^INFO:'
+	@ls -l $(DIST_DIR)
 
 lint: install
 	$(VENV)/bin/ruff check overmind_lab tests examples benchmarks

