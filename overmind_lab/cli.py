@@ -39,6 +39,7 @@ import sys
 from typing import Any
 
 from overmind_lab._common.sizes import format_size
+from overmind_lab._common.trust import Untrusted
 from overmind_lab._errors import DaemonUnavailable, NotAnswering, OvermindError
 
 __all__ = ["EXIT_STATUS", "main"]
@@ -319,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
         return BROKEN_PIPE
-    except DaemonUnavailable as exc:
+    except (DaemonUnavailable, Untrusted) as exc:  # a folder not to trust: no daemon to use
         print(f"overmind-lab: {exc}", file=sys.stderr)
         return NOT_RUNNING
     except OvermindError as exc:

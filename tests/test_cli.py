@@ -117,6 +117,10 @@ def test_a_socket_folder_not_to_trust_fails_stop_and_ls(tmp_path: Path) -> None:
     status = cli("status", "--socket", str(sock))
     assert status.returncode == 3 and status.stdout.startswith(
         f"unavailable (socket {sock})\n  refusing the socket folder {folder}: "), status
+    for args in (["kernel", "status"], ["kernel", "restart-zygote"]):  # the zygotes' folder
+        proc = cli(*args, "--socket", str(sock))
+        assert proc.returncode == 3 and proc.stderr.startswith(
+            f"overmind-lab: refusing the zygote socket folder {folder}: "), (args, proc)
     assert not sock.exists()
 
 

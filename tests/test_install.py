@@ -442,6 +442,31 @@ print(sys.version_info[:2], overmind_lab.__file__, failed)
 """
 
 
+# Note [A fork while the thread imports] (``_loading/prewarm.py``), on each Python: a fork right
+# after ``import overmind_lab`` prints nothing and its child imports what the thread was
+# importing; a fork beside a thread of the user's still warns from 3.12 on (the warning is theirs).
+FORK_AT_ONCE = """
+import os, threading, warnings
+import overmind_lab
+from overmind_lab._loading import prewarm
+alive, n = prewarm._thread.is_alive(), len(warnings.filters)
+pid = os.fork()
+if pid == 0:
+    from overmind_lab._loading import keys, load, user_code
+    keys.prewarm()
+    os._exit(0 if len(warnings.filters) == n else 1)
+assert os.waitpid(pid, 0)[1] == 0
+prewarm.wait(60)
+assert len(warnings.filters) == n, warnings.filters[:1]
+threading.Thread(target=threading.Event().wait, args=(60,), daemon=True).start()
+pid = os.fork()
+if pid == 0:
+    os._exit(0)
+os.waitpid(pid, 0)
+print(alive)
+"""
+
+
 @pytest.mark.parametrize("python", SUPPORTED)
 def test_a_bare_install_names_the_extra_and_starts_no_daemon(
         dist: dict[str, Path], interpreters: dict[str, Path], python: str,
@@ -484,6 +509,16 @@ def test_a_bare_install_names_the_extra_and_starts_no_daemon(
                    env=env, cwd=tmp_path)
         assert load.stdout.strip() == ("overmind_lab.load() needs torch, which is not "
                                        'installed here: pip install "overmind-lab[torch]"')
+        alive = 0
+        for _ in range(4):
+            forked = run([vpy, "-c", FORK_AT_ONCE], env={**env, "OVERMIND_LAB_PREWARM": "1"},
+                         cwd=tmp_path)
+            alive += forked.stdout.strip() == "True"
+            warned = forked.stderr.count("is multi-threaded, use of fork()")
+            new = tuple(map(int, python.split("."))) >= (3, 12)  # warns of threads at a fork
+            assert warned == (1 if new else 0), forked.stderr
+            assert warned == 0 or "<string>:15:" in forked.stderr, forked.stderr  # the 2nd fork
+        assert alive  # some forks did come while the thread worked
         # the CLI's own commands work without extras; none of the above started a daemon
         status = run([cli, "status"], env=env, check=False, cwd=tmp_path)
         assert status.returncode == 3 and "not running" in status.stdout

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from overmind_lab._common.messages import ReplaceReply, ZygoteStatus
+from overmind_lab._common.trust import check_folder
 from overmind_lab._common.zygote_client import LAUNCHER_MODULE as LAUNCHER
 from overmind_lab._common.zygote_client import ask
 from overmind_lab._common.zygote_paths import environment, zygote_dir, zygote_processes
@@ -135,13 +136,16 @@ def _memory(pid: int) -> dict[str, int]:
 
 
 def _own(directory: Path) -> list[tuple[Path, ZygoteStatus]]:
-    """The sockets and status of the zygotes in ``directory`` of this Python environment."""
+    """The sockets and status of the zygotes in ``directory`` of this Python environment.
+    Raises ``Untrusted`` for a folder another user could write (Note [Trust no neighbour]):
+    "no zygote running" would hide that no zygote of ours can run there."""
+    check_folder(directory, "zygote socket")
     mine = environment(sys.executable)
     out = []
     for path in sorted(directory.glob("zygote-*.sock")):
         try:
             status = cast(ZygoteStatus, ask(path, {"op": "status"}))
-        except OSError:
+        except OSError:  # gone meanwhile, or another user's socket (Untrusted): not ours
             continue
         if environment(str(status.get("python", ""))) == mine:
             out.append((path, status))

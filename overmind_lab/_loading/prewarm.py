@@ -40,13 +40,25 @@ its ``after_in_parent`` released a lock its ``before`` never took. Now a fork do
    thread of its own: it does the work at its first call, as without the thread.
 3. The thread holds no lock of ours while it scans (the caches are ``lru_cache``s, filled whole),
    so nothing else of ours can be left held.
+4. From Python 3.12 on, ``os.fork()`` in a process with more than one thread warns ("This process
+   (pid=N) is multi-threaded, use of fork() may lead to deadlocks in the child", a
+   ``DeprecationWarning`` shown in ``__main__``), after the ``after_in_parent`` hooks ran. A fork
+   while the thread is the only other one (ours, and 2 made the child safe from it) puts one
+   ``ignore`` filter for that warning in front (the ``before`` hook), which the thread takes out
+   when it ends (the child: at once). So while it lives, a few milliseconds, that warning is not
+   shown; with any other thread at the fork (the user's, a BLAS pool) it shows as always, as it
+   does once the thread ended. The filter is added and taken out under ``_quiet_lock``, so one
+   added as the thread ends is taken out too; the child, whose copy of the lock may be held by
+   the vanished thread, makes a new one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
+import warnings
 
 _thread: threading.Thread | None = None
 
@@ -89,15 +101,52 @@ def wait(timeout: float | None = 5.0) -> None:
 _running_at_fork: int | None = None
 
 
+#: Note [A fork while the thread imports], 4: the ``ignore`` filter a fork put in, the lock
+#: around it, and whether the thread ended (no filter may go in after that)
+_quiet_filter: tuple[object, ...] | None = None
+_quiet_lock = threading.Lock()
+_ended = False
+_FORK_WARNING = r"This process \(pid=\d+\) is multi-threaded, use of fork\(\)"
+
+
 def _before_fork() -> None:
-    global _running_at_fork
+    global _running_at_fork, _quiet_filter
     thread = _thread
     _running_at_fork = thread.ident if thread is not None and thread.is_alive() else None
+    if _running_at_fork is None or sys.version_info < (3, 12) or not _only_ours():
+        return
+    with _quiet_lock:
+        if not _ended and _quiet_filter is None:
+            warnings.filterwarnings("ignore", _FORK_WARNING, DeprecationWarning)
+            _quiet_filter = warnings.filters[0]
+
+
+def _only_ours() -> bool:
+    """Whether this process's threads are the main one and ours (as CPython counts them on
+    Linux: the tasks of ``/proc/self``)."""
+    try:
+        return threading.active_count() == 2 and len(os.listdir("/proc/self/task")) == 2
+    except OSError:
+        return False
+
+
+def _unquiet() -> None:
+    """Take out the filter a fork put in, if it is there."""
+    global _quiet_filter
+    entry, _quiet_filter = _quiet_filter, None
+    if entry is not None:
+        with contextlib.suppress(ValueError):  # the user reset the filters meanwhile
+            warnings.filters.remove(entry)  # type: ignore[attr-defined]  # a list
+        mutated = getattr(warnings, "_filters_mutated", None)
+        if mutated is not None:
+            mutated()
 
 
 def _after_fork_in_child() -> None:
     """Note [A fork while the thread imports], 2: what the thread held, let go in the child."""
-    global _thread
+    global _thread, _quiet_lock
+    _quiet_lock = threading.Lock()  # 4: the vanished thread may hold the copy
+    _unquiet()
     tid = _running_at_fork
     if tid is None:
         return
@@ -128,9 +177,14 @@ def _after_fork_in_child() -> None:
 
 
 def _run() -> None:
+    global _ended
     try:
         from overmind_lab._loading import keys, load  # noqa: F401 - the import is the work
 
         keys.prewarm()
     except BaseException:  # noqa: BLE001 - the first call does it again, and says what fails
         pass
+    finally:
+        with _quiet_lock:  # Note [A fork while the thread imports], 4
+            _ended = True
+            _unquiet()
