@@ -15,11 +15,16 @@
                                                      cold, warm, after a daemon restart
     overmind-lab kernel install|status|uninstall|restart-zygote [--json]
                                                      the warm kernel (forked from a zygote)
+    overmind-lab run [-v] [--plain] SCRIPT|-m MODULE [ARGS...]
+                                                     a script forked from the zygote, as
+                                                     `python SCRIPT ARGS` runs it; its exit
+                                                     status is the script's
 
-Every command but ``bench`` (which runs a private daemon) takes ``--socket PATH`` (default
-``$OVERMIND_LAB_SOCKET`` or the per-user socket). Exit status (:data:`EXIT_STATUS`, also in
-``overmind-lab --help``): 0 success, 1 failure (also: an optional dependency is missing; the
-message names the extra to install), 2 usage error, 3 no daemon to talk to (none runs, for
+Every command but ``bench`` (which runs a private daemon) and ``run`` takes ``--socket PATH``
+(default ``$OVERMIND_LAB_SOCKET`` or the per-user socket). Exit status (:data:`EXIT_STATUS`,
+also in ``overmind-lab --help``; ``run`` exits with its script's): 0 success, 1 failure (also:
+an optional dependency is missing; the message names the extra to install), 2 usage error, 3 no
+daemon to talk to (none runs, for
 ``status``, ``evict KEY`` and ``refresh``; or one that does not answer, or a socket folder or
 server that cannot be trusted: the message says which and what to do), 130 interrupted
 (Ctrl-C), 141 the reader of the output went away (``overmind-lab status | head -3``), as
@@ -39,7 +44,6 @@ import sys
 from typing import Any
 
 from overmind_lab._common.sizes import format_size
-from overmind_lab._common.trust import Untrusted
 from overmind_lab._errors import DaemonUnavailable, NotAnswering, OvermindError
 
 __all__ = ["EXIT_STATUS", "main"]
@@ -294,9 +298,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     measure.add_parser(sub)
     spec.add_parser(sub)
+    run = sub.add_parser(
+        "run", add_help=False, help="run a script (or -m MODULE) forked from the zygote, with "
+        "torch, diffusers and transformers imported; `overmind-lab run -h` for more",
+        description="run a script in a process forked from the zygote")
+    run.add_argument("args", nargs=argparse.REMAINDER)
+    run.set_defaults(func=cmd_run)
     for command in sub.choices.values():  # for the errors ``main`` reports in its usage
         command.set_defaults(command_parser=command)
     return parser
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from overmind_lab._launcher import script
+
+    return script.main(args.args)
 
 
 def _version() -> str:
@@ -306,6 +322,11 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    words = sys.argv[1:] if argv is None else argv
+    if words[:1] == ["run"]:  # at once: a run that goes plain is never slower by a parser
+        from overmind_lab._launcher import script
+
+        return script.main(words[1:])
     args, extra = build_parser().parse_known_args(argv)
     if extra:  # in the command's own usage, not the top level's (``kernel install --bogus``)
         args.command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -320,12 +341,12 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
         return BROKEN_PIPE
-    except (DaemonUnavailable, Untrusted) as exc:  # a folder not to trust: no daemon to use
-        print(f"overmind-lab: {exc}", file=sys.stderr)
-        return NOT_RUNNING
     except OvermindError as exc:
+        from overmind_lab._common.trust import Untrusted  # not imported by a `run` that goes plain
+
         print(f"overmind-lab: {exc}", file=sys.stderr)
-        return FAILURE
+        # a folder not to trust: no daemon to use either
+        return NOT_RUNNING if isinstance(exc, (DaemonUnavailable, Untrusted)) else FAILURE
     except KeyboardInterrupt:
         return INTERRUPTED
 

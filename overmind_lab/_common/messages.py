@@ -338,6 +338,10 @@ class ForkRequest(TypedDict):
     standby: NotRequired[bool]
     #: a standby's longest wait for ``go``, in seconds (Note [A standby kept ready])
     standby_wait: NotRequired[float]
+    #: ``overmind-lab run``: ``argv`` is ``python SCRIPT ARGS`` or ``python -m MODULE ARGS``, run
+    #: as plain Python runs it; the child dies with the requester's connection (Note [A script
+    #: dies with its run] in ``_zygote/loop.py``)
+    script: NotRequired[bool]
 
 
 class ZygoteOpRequest(TypedDict):

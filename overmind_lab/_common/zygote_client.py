@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from overmind_lab._common.messages import (
     ExitReport,
@@ -35,8 +35,8 @@ from overmind_lab._common.zygote_paths import (
 from overmind_lab._errors import OvermindError
 
 __all__ = ["LAUNCHER_MODULE", "PLAIN_MODULE", "KERNEL_MODULE", "IPYKERNEL_MAINS", "is_ipykernel",
-           "kernel_argv", "WarmUnavailable", "WarmKernel", "ask", "request_fork", "spawn",
-           "user_env", "TIMELINE_ENV", "timeline", "read_pipe"]
+           "kernel_argv", "WarmUnavailable", "WarmKernel", "ask", "request_fork", "fork_here",
+           "spawn", "user_env", "TIMELINE_ENV", "timeline", "read_pipe"]
 
 #: The warm kernelspec's argv runs this module (``_launcher``).
 LAUNCHER_MODULE = "overmind_lab._launcher"
@@ -204,16 +204,20 @@ def request_fork(cmd: list[str], env: dict[str, str], cwd: str,
                  stdio: list[int], watch_parent: bool,
                  attributes: JsonObject | None = None,
                  checked_since: float | None = None, standby: bool = False,
-                 standby_wait: float | None = None) -> WarmKernel:
+                 standby_wait: float | None = None, script: bool = False,
+                 boot_wait: float | None = None) -> WarmKernel:
     """Ask the zygote for ``cmd`` (blocking), starting one when none runs. ``attributes``
     (``inherit.observe()``) are what the kernel takes on; ``None``: the zygote's own.
     ``checked_since``: Note [Checked while the old kernel exits]. ``standby``: a kernel that
     waits for :meth:`WarmKernel.go` (Note [A standby for the restart]), at most
-    ``standby_wait`` seconds (Note [A standby kept ready])."""
+    ``standby_wait`` seconds (Note [A standby kept ready]). ``script``: ``overmind-lab run``'s
+    child (``ForkRequest.script``). ``boot_wait``: the longest wait for a booting zygote (default:
+    Note [Waiting for a booting zygote])."""
     if not sys.platform.startswith("linux"):
         raise WarmUnavailable(f"warm kernels need Linux (this is {sys.platform})")
     paths = ZygotePaths.for_launch(cmd[0], env)
-    paths.wait_while_booting(zygote_boot_wait_seconds(env))  # Note [Waiting for a booting zygote]
+    # Note [Waiting for a booting zygote]
+    paths.wait_while_booting(zygote_boot_wait_seconds(env) if boot_wait is None else boot_wait)
     request: ForkRequest = {"op": "fork", "argv": cmd, "env": env, "cwd": cwd,
                             "watch_parent": watch_parent, "inherit": attributes or {}}
     if checked_since is not None:
@@ -222,6 +226,8 @@ def request_fork(cmd: list[str], env: dict[str, str], cwd: str,
         request["standby"] = True
     if standby and standby_wait is not None:
         request["standby_wait"] = standby_wait
+    if script:
+        request["script"] = True
     for attempt in (1, 2):
         inode = _inode(paths.socket)
         try:
@@ -231,6 +237,9 @@ def request_fork(cmd: list[str], env: dict[str, str], cwd: str,
         except OSError as exc:
             if standby:  # the launch's own request starts one
                 raise WarmUnavailable(f"no zygote is running ({exc.strerror})") from exc
+            if paths.booting():  # it serves the next launch; a second one would only exit
+                raise WarmUnavailable(f"no zygote was running ({exc.strerror}); one is "
+                                      "starting for the next launch") from exc
             spawn(paths, owners=[os.getpid()], env=env, python=cmd[0])
             raise WarmUnavailable(f"no zygote was running ({exc.strerror}); started one "
                                   "for the next launch") from exc
@@ -262,6 +271,29 @@ def request_fork(cmd: list[str], env: dict[str, str], cwd: str,
         sock.close()
         raise WarmUnavailable(f"the zygote answered a fork without a pid: {reply!r}")
     return WarmKernel(pid, fds[0], chan, fds[1] if standby else None)
+
+
+def fork_here(cmd: list[str], env: dict[str, str], **options: Any) -> WarmKernel:
+    """:func:`request_fork` for ``cmd`` with this process's cwd, stdio (descriptors 0-2) and
+    attributes (``inherit.observe()``, from this thread); ``options`` go to it. Raises
+    ``WarmUnavailable``."""
+    from overmind_lab._common import inherit
+
+    stdio: list[int] = []
+    try:
+        attributes = inherit.observe()
+        cwd = os.getcwd()
+        for fd in (0, 1, 2):
+            stdio.append(os.dup(fd))
+    except (OSError, ValueError, KeyError) as exc:
+        for fd in stdio:
+            os.close(fd)
+        raise WarmUnavailable(f"cannot read this process's attributes: {exc}") from exc
+    try:
+        return request_fork(cmd, env, cwd, stdio, attributes=attributes, **options)
+    finally:
+        for fd in stdio:
+            os.close(fd)
 
 
 def _connect(path: Path, timeout: float) -> socket.socket:

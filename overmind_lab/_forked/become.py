@@ -42,7 +42,7 @@ from overmind_lab._common.zygote_client import is_ipykernel, read_pipe, timeline
 from overmind_lab._forked import ports
 
 __all__ = ["ForkTask", "run_and_exit", "run", "become", "exit_now", "tqdm_classes",
-           "prepare_in_zygote", "INTENDED_DIFFERENCES"]
+           "prepare_in_zygote", "path0", "is_main_importer", "INTENDED_DIFFERENCES"]
 
 #: Note [What a warm kernel does not share with a fresh one].
 @dataclass
@@ -66,6 +66,9 @@ class ForkTask:
     go_fd: int | None = None
     #: How long a standby waits for ``go`` (Note [A standby kept ready]).
     go_wait: float = 120.0
+    #: ``overmind-lab run``'s child: ``argv`` is ``python SCRIPT ARGS`` or ``python -m MODULE
+    #: ARGS``, run by ``_forked/script.py`` as plain Python runs it.
+    script: bool = False
 
 
 
@@ -210,6 +213,36 @@ def _fresh_import_caches() -> None:
     linecache.cache = {}
 
 
+def _fresh_multiprocessing() -> None:
+    """What ``multiprocessing.process`` made at its import in the zygote and a fresh process makes
+    at its own: the main process's authentication key (random: no two processes share one) and
+    the directory it started in."""
+    process = sys.modules.get("multiprocessing.process")
+    if process is not None:
+        process.current_process()._config["authkey"] = process.AuthenticationString(
+            os.urandom(32))
+        process.ORIGINAL_DIR = os.path.abspath(os.getcwd())  # type: ignore[attr-defined]
+
+
+def path0(task: ForkTask) -> str | None:
+    """What a fresh ``python ARGV`` puts first on ``sys.path``: the working directory for ``-m``,
+    a script's folder (symbolic links resolved), a folder or zip file run as ``__main__`` itself;
+    nothing (``None``) in safe-path mode but for the latter."""
+    target = task.argv[1] if task.script and task.argv[1] != "-m" else None
+    if target is not None and is_main_importer(target):
+        return os.path.abspath(target)
+    if task.env.get("PYTHONSAFEPATH"):
+        return None
+    return os.getcwd() if target is None else os.path.dirname(os.path.realpath(target))
+
+
+def is_main_importer(path: str) -> bool:
+    """Whether ``python PATH`` runs ``PATH``'s ``__main__`` module (a folder or a zip file)."""
+    import zipfile
+
+    return os.path.isdir(path) or zipfile.is_zipfile(path)
+
+
 def _watch_parent(pidfd: int) -> None:
     def wait() -> None:
         poller = select.poll()
@@ -350,7 +383,8 @@ def become(task: ForkTask) -> None:
         if fd > 2:
             os.close(fd)
     # Modules whose start-up ignores SIGINT once ready (Note [Interrupted at birth]).
-    kernel = is_ipykernel(task.argv) and "ipykernel.kernelapp" in sys.modules
+    kernel = (is_ipykernel(task.argv) and "ipykernel.kernelapp" in sys.modules
+              and not task.script)
     _reset_signals(ipykernel=kernel, ignored=task.inherit.get("ignored_signals", ()))
     os.chdir(task.cwd)
     if kernel and task.go_fd is not None:  # Note [A standby for the restart]
@@ -363,13 +397,15 @@ def become(task: ForkTask) -> None:
     logging.root.handlers.clear()
     logging.root.setLevel(logging.WARNING)
     step("process")
-    if not task.env.get("PYTHONSAFEPATH"):
-        sys.path.insert(0, os.getcwd())
+    first = path0(task)
+    if first is not None:
+        sys.path.insert(0, first)
     _fresh_import_caches()
     step("import_caches")
     _reseed()
     step("reseed")
     _fresh_library_state()
+    _fresh_multiprocessing()
     _set_threads(task.thread_targets)
     step("threads")
     if task.parent_pidfd is not None and task.env.get("JPY_PARENT_PID"):

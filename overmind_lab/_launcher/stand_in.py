@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 from overmind_lab._common.zygote_client import KERNEL_MODULE, PLAIN_MODULE
 
-__all__ = ["main"]
+__all__ = ["main", "exit_like"]
 
 #: Signals a frontend sends to the kernel it started, forwarded to the forked kernel.
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
@@ -44,22 +44,11 @@ def _run_in_place(args: list[str]) -> None:
 
 def _fork(args: list[str]) -> Any:
     """The forked kernel (a ``WarmKernel``); raises ``WarmUnavailable``."""
-    from overmind_lab._common import inherit
-    from overmind_lab._common.zygote_client import WarmUnavailable, request_fork
+    from overmind_lab._common.zygote_client import fork_here
 
-    cmd = [sys.executable, "-m", KERNEL_MODULE, *args]
     env = dict(os.environ)
     env["JPY_PARENT_PID"] = str(os.getpid())  # the stand-in is the kernel's parent
-    try:
-        attributes = inherit.observe()
-    except (OSError, ValueError, KeyError) as exc:
-        raise WarmUnavailable(f"cannot read this process's attributes: {exc}") from exc
-    stdio = [os.dup(0), os.dup(1), os.dup(2)]
-    try:
-        return request_fork(cmd, env, os.getcwd(), stdio, True, attributes)
-    finally:
-        for fd in stdio:
-            os.close(fd)
+    return fork_here([sys.executable, "-m", KERNEL_MODULE, *args], env, watch_parent=True)
 
 
 def _stand_in(kernel: Any) -> int:
@@ -78,12 +67,14 @@ def _stand_in(kernel: Any) -> int:
     return int(code if code is not None else -1)
 
 
-def _exit_like(code: int) -> NoReturn:
+def exit_like(code: int) -> NoReturn:
     """Exit with ``code``; a kernel a signal ended (``-N``) ends this process by signal N."""
     sys.stdout.flush()
     sys.stderr.flush()
     if code < 0 and -code in signal.valid_signals():
-        signal.signal(-code, signal.SIG_DFL)
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):  # (those two have no handler)
+            signal.signal(-code, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [-code])
         os.kill(os.getpid(), -code)
         code = 128 - code
     os._exit(code & 0xFF if code >= 0 else 1)
@@ -102,4 +93,4 @@ def main(argv: list[str] | None = None) -> None:
         kernel = _fork(args)
     except Exception as exc:  # noqa: BLE001 - Note [Never worse than plain] (provisioner)
         _exec_plain(args, str(exc))
-    _exit_like(_stand_in(kernel))
+    exit_like(_stand_in(kernel))

@@ -56,6 +56,7 @@ from overmind_lab._common.zygote_paths import (
     zygote_package_check_seconds,
 )
 from overmind_lab._forked import become
+from overmind_lab._forked import script as script_child
 from overmind_lab._forked.become import INTENDED_DIFFERENCES, ForkTask
 from overmind_lab._zygote import preload
 
@@ -88,6 +89,9 @@ class _Child:
     pid: int
     pidfd: int
     conn: socket.socket
+    #: ``overmind-lab run``'s: killed when its requester's connection closes (Note [A script
+    #: dies with its run])
+    script: bool = False
 
 
 @dataclass
@@ -106,6 +110,8 @@ class _State:
     targets_by_cpus: dict[tuple[int, ...], dict[str, int]] = field(default_factory=dict)
     owners: dict[int, int] = field(default_factory=dict)      # pid -> pidfd
     children: dict[int, _Child] = field(default_factory=dict)  # pidfd -> child
+    #: Note [A script dies with its run]: requester connection fd -> script child
+    requesters: dict[int, _Child] = field(default_factory=dict)
     conns: dict[int, socket.socket] = field(default_factory=dict)
     forks: int = 0
     last_fork_ms: float | None = None
@@ -378,7 +384,8 @@ def _refuse(state: _State, request: ForkRequest, env: dict[str, str],
     if state.refusal:
         return state.refusal
     argv = [str(a) for a in request.get("argv", [])]
-    if len(argv) < 3 or argv[1] != "-m":
+    script = bool(request.get("script")) and len(argv) >= 2 and not argv[1].startswith("-")
+    if (len(argv) < 3 or argv[1] != "-m") and not script:
         return f"the kernel command is not `python -m MODULE ...`: {argv}"
     if os.path.realpath(argv[0]) != os.path.realpath(sys.executable):
         return f"the kernel's interpreter {argv[0]} is not the zygote's {sys.executable}"
@@ -442,7 +449,8 @@ def _handle_fork(state: _State, conn: socket.socket, chan: Channel,
     if not standby:
         timeline("zygote.checked", env, files=len(state.snap),
                  checked_since=request.get("checked_since"), checked_at=state.checked_at)
-    if not why and standby and not is_ipykernel(request["argv"]):
+    script = bool(request.get("script"))
+    if not why and standby and (script or not is_ipykernel(request["argv"])):
         why = "a standby kernel needs ipykernel's command (python -m ipykernel_launcher ...)"
     if why or len(fds) != 3:
         for fd in fds:
@@ -466,8 +474,9 @@ def _handle_fork(state: _State, conn: socket.socket, chan: Channel,
         cwd=str(request.get("cwd") or os.getcwd()), stdio=fds, parent_pidfd=parent_pidfd,
         thread_targets=_targets_for(state, task_inherit), learned_path=state.paths.learned,
         preloaded=frozenset(state.preloaded),
-        inherit=task_inherit, ready_fd=ready_w, start_env=state.start_env, go_fd=go_r,
-        go_wait=_standby_wait(request))
+        inherit=task_inherit, ready_fd=ready_w, go_fd=go_r, go_wait=_standby_wait(request),
+        # Note [Environment set at import]: a script that imports no kernel package gets none
+        start_env={} if script else state.start_env, script=script)
     # Note [Interrupted at birth] in ``_forked/become.py``: the child unblocks SIGINT; and
     # SIGTERM, once its disposition is the default again (Note [Stopping a zygote]).
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT, signal.SIGTERM])
@@ -478,7 +487,8 @@ def _handle_fork(state: _State, conn: socket.socket, chan: Channel,
         if go_w is not None:
             os.close(go_w)  # or the child would never see its requester go away
         _close_for_child(state, keep=[*fds, *([parent_pidfd] if parent_pidfd else [])])
-        become.run_and_exit(task)  # the route out of the zygote: it never returns
+        # the routes out of the zygote: they never return
+        (script_child.run_and_exit if script else become.run_and_exit)(task)
     state.last_fork_ms = (time.perf_counter() - t0) * 1000
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     timeline("zygote.forked", env, kernel=pid, fork_ms=state.last_fork_ms)
@@ -511,8 +521,10 @@ def _handle_fork(state: _State, conn: socket.socket, chan: Channel,
     state.forks += 1
     pidfd = os.pidfd_open(pid)
     _add_owner(state, peer)
-    child = _Child(pid, pidfd, conn)
+    child = _Child(pid, pidfd, conn, script)
     state.children[pidfd] = child
+    if script:
+        state.requesters[conn.fileno()] = child
     state.conns.pop(conn.fileno(), None)
     reply: ForkReply = {"ok": True, "pid": pid, "fork_ms": state.last_fork_ms}
     try:
@@ -603,8 +615,25 @@ def _close_for_child(state: _State, keep: list[int]) -> None:
             os.close(fd)
 
 
+# Note [A script dies with its run]: ``overmind-lab run`` stands in for its script as the
+# launcher does for a kernel, and a script must not outlive it (``kill -9`` of the run, a closed
+# terminal that killed it): the script has no thread to watch it (a fresh one has none), so the
+# zygote does. The run never writes on its connection after the fork's reply: the connection
+# becomes readable when the run is gone (end of file), and the zygote SIGKILLs the script, by
+# pidfd (only the script: a plain script killed leaves its own children too).
+def _requester_gone(state: _State, fd: int) -> None:
+    child = state.requesters.pop(fd)
+    try:
+        signal.pidfd_send_signal(child.pidfd, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # it exited meanwhile; its pidfd reports it
+    log.info("the run of script %d went away; killed it", child.pid)
+
+
 def _reap(state: _State, pidfd: int) -> None:
     child = state.children.pop(pidfd)
+    if child.script:
+        state.requesters.pop(child.conn.fileno(), None)
     try:
         _, status = os.waitpid(child.pid, 0)
         code = os.waitstatus_to_exitcode(status)
@@ -723,13 +752,15 @@ def _loop(state: _State) -> None:
         poller = select.poll()
         if not state.retiring:
             poller.register(state.listener, select.POLLIN)
-        for fd in (*state.conns, *state.children, *state.owners.values()):
+        for fd in (*state.conns, *state.children, *state.owners.values(), *state.requesters):
             poller.register(fd, select.POLLIN)
         for fd, _ in poller.poll(_TICK_MS):
             if fd == state.listener.fileno():
                 _accept(state)
             elif fd in state.children:
                 _reap(state, fd)
+            elif fd in state.requesters:
+                _requester_gone(state, fd)
             elif fd in state.conns:
                 _serve_conn(state, state.conns[fd])
             else:
