@@ -7,8 +7,6 @@ milliseconds, zero-copy and copy-on-write isolated. Importing this package is ch
 
 from __future__ import annotations
 
-from typing import Any
-
 __version__ = "0.1.0"
 
 __all__ = [
@@ -39,19 +37,30 @@ __all__ = [
     "unload_ipython_extension",
 ]
 
-from overmind_lab._errors import (
-    DaemonUnavailable,
-    NotCacheable,
-    OvermindError,
-    OvermindWarning,
-    ProtocolError,
-    UnknownEntry,
-    VerifyMismatch,
-)
+# Note [A package that costs nothing to import]: every public name is imported when first used
+# (``__getattr__``), even ``typing`` and the exception classes: ``overmind-lab run`` imports this
+# package before it ``exec``s plain Python, and every millisecond here is a millisecond that run is
+# slower than plain (``_launcher/run.py``). The daemon imports this package too, and stays free of
+# torch, IPython and ipywidgets.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
-# Lazily imported names: the module that defines each. Keeps `import overmind_lab` (and the daemon,
-# which imports this package) free of torch, IPython and ipywidgets.
+    from overmind_lab._errors import (
+        DaemonUnavailable,
+        NotCacheable,
+        OvermindError,
+        OvermindWarning,
+        ProtocolError,
+        UnknownEntry,
+        VerifyMismatch,
+    )
+
+#: Lazily imported names: the module that defines each.
 _LAZY = {
+    "OvermindError": "_errors", "DaemonUnavailable": "_errors", "ProtocolError": "_errors",
+    "UnknownEntry": "_errors", "NotCacheable": "_errors", "OvermindWarning": "_errors",
+    "VerifyMismatch": "_errors",
     "load": "_loading.load", "bypass": "_loading.load", "refreshing": "_loading.load",
     "record_loads": "_loading.load", "verifying": "_loading.load",
     "key_of": "_loading.load", "LoadEvent": "_loading.load",
@@ -74,11 +83,12 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'overmind_lab' has no attribute {name!r}")
     import importlib
 
-    from overmind_lab._loading import prewarm
+    if module.startswith("_loading."):
+        from overmind_lab._loading import prewarm
 
-    # Waiting for the thread costs nothing the import would not: it does this import, and the
-    # two never compete for the GIL (Note [The first call's work, earlier]).
-    prewarm.wait()
+        # Waiting for the thread costs nothing the import would not: it does this import, and the
+        # two never compete for the GIL (Note [The first call's work, earlier]).
+        prewarm.wait()
     value = getattr(importlib.import_module(f"overmind_lab.{module}"), name)
     globals()[name] = value
     return value

@@ -310,9 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from overmind_lab._launcher import script
+    # (``overmind-lab run`` itself goes to ``run.main`` from ``_console``, parsing nothing)
+    from overmind_lab._launcher import run
 
-    return script.main(args.args)
+    return run.main(args.args)
 
 
 def _version() -> str:
@@ -322,11 +323,6 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    words = sys.argv[1:] if argv is None else argv
-    if words[:1] == ["run"]:  # at once: a run that goes plain is never slower by a parser
-        from overmind_lab._launcher import script
-
-        return script.main(words[1:])
     args, extra = build_parser().parse_known_args(argv)
     if extra:  # in the command's own usage, not the top level's (``kernel install --bogus``)
         args.command_parser.error(f"unrecognized arguments: {' '.join(extra)}")

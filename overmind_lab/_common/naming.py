@@ -9,8 +9,9 @@ from __future__ import annotations
 import fcntl
 import os
 import stat
-import tempfile
 from pathlib import Path
+
+from overmind_lab._common.zygote_identity import runtime_dir_at_once
 
 __all__ = [
     "SOCKET_ENV", "BUDGET_ENV", "CACHE_DIR_ENV", "MEMFD_PREFIX", "SEGMENT_SEALS",
@@ -40,9 +41,11 @@ def default_cache_dir() -> Path:
 
 def runtime_dir() -> Path:
     """The per-user directory that holds the default socket, lock and log."""
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg and os.path.isdir(xdg) and os.access(xdg, os.W_OK | os.X_OK):
-        return Path(xdg) / "overmind-lab"
+    found = runtime_dir_at_once(os.environ)
+    if found is not None:
+        return Path(found)
+    import tempfile  # the temporary folder's rules: TMPDIR, TEMP, TMP, then the first usable
+
     return Path(tempfile.gettempdir()) / f"overmind-lab-{os.getuid()}"
 
 

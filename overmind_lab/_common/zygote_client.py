@@ -36,7 +36,7 @@ from overmind_lab._errors import OvermindError
 
 __all__ = ["LAUNCHER_MODULE", "PLAIN_MODULE", "KERNEL_MODULE", "IPYKERNEL_MAINS", "is_ipykernel",
            "kernel_argv", "WarmUnavailable", "WarmKernel", "ask", "request_fork", "fork_here",
-           "spawn", "user_env", "TIMELINE_ENV", "timeline", "read_pipe"]
+           "start_for_next", "spawn", "user_env", "TIMELINE_ENV", "timeline", "read_pipe"]
 
 #: The warm kernelspec's argv runs this module (``_launcher``).
 LAUNCHER_MODULE = "overmind_lab._launcher"
@@ -343,6 +343,17 @@ def spawn(paths: ZygotePaths, owners: list[int], env: dict[str, str],
                        start_new_session=True, close_fds=True, check=True, timeout=10)
     finally:
         os.close(log_fd)
+
+
+def start_for_next(python: str, env: dict[str, str], owner: int) -> None:
+    """Start a zygote for ``python`` and ``env`` (owned by ``owner``) unless one serves or boots,
+    nor in a folder not to trust: ``overmind-lab run``'s grandchild (Note [A plain run at once]
+    in ``_launcher/run.py``)."""
+    paths = ZygotePaths.for_launch(python, env)
+    if paths.socket.exists() or paths.booting():
+        return
+    check_folder(paths.directory, "zygote socket")
+    spawn(paths, owners=[owner], env=env, python=python)
 
 
 def user_env(env: dict[str, str]) -> dict[str, str]:

@@ -5,54 +5,44 @@ preload set) names its socket in the per-user runtime directory.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
 from overmind_lab._common.naming import ensure_private_dir, runtime_dir, socket_path
 from overmind_lab._common.sizes import env_seconds
+from overmind_lab._common.zygote_identity import (
+    IMPORT_ENV_PREFIXES,
+    TIMELINE_ENV,
+    ZYGOTE_BOOT_WAIT_ENV,
+    ZYGOTE_IDLE_ENV,
+    ZYGOTE_PACKAGE_CHECK_ENV,
+    environment,
+    identity,
+    import_env,
+)
 
 __all__ = ["IMPORT_ENV_PREFIXES", "import_env", "environment", "identity", "zygote_dir",
            "ZygotePaths", "ZYGOTE_IDLE_ENV", "zygote_idle_seconds", "ZYGOTE_BOOT_WAIT_ENV",
            "zygote_boot_wait_seconds", "ZYGOTE_PACKAGE_CHECK_ENV", "zygote_package_check_seconds",
-           "zygote_processes"]
-
-#: Environment variables (by prefix) that can change what an import does or which threads and
-#: devices it sets up: kernels whose values differ never share a zygote.
-IMPORT_ENV_PREFIXES = (
-    "CUDA_", "NVIDIA_", "HIP_", "ROCR_", "OMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO_",
-    "BLIS_", "VECLIB_", "NUMEXPR_", "PYTHON", "LD_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_",
-    "DIFFUSERS_", "TORCH", "PYTORCH_", "TOKENIZERS_", "XLA_", "TF_", "JAX_", "VIRTUAL_ENV",
-    "CONDA_PREFIX", "HOME", "XDG_CACHE_HOME", "OVERMIND_LAB_",
-    # the locale at interpreter start fixes the UTF-8 mode and the file system encoding
-    "LANG", "LC_",
-)
+           "zygote_processes", "TIMELINE_ENV", "ZYGOTE_ONLY_ENV"]
 
 #: Set by overmind-lab itself in the zygote only; never part of the identity.
 ZYGOTE_ONLY_ENV = ("OPENBLAS_NUM_THREADS", "PYTORCH_NVML_BASED_CUDA_CHECK")
 
-#: Note [Idle zygote]: how long (s) a zygote with no owner nor kernel stays, so that a next run
-#: (nbconvert, papermill, a VS Code launcher) is forked, not plain.
-ZYGOTE_IDLE_ENV = "OVERMIND_LAB_ZYGOTE_IDLE"
+#: Note [Idle zygote]: how long (s) a zygote with no owner nor kernel stays (``ZYGOTE_IDLE_ENV``),
+#: so that a next run (nbconvert, papermill, a VS Code launcher) is forked, not plain.
 DEFAULT_ZYGOTE_IDLE_S = 300.0
-#: Note [Waiting for a booting zygote]: how long (s) a launch waits for a zygote importing now.
-ZYGOTE_BOOT_WAIT_ENV = "OVERMIND_LAB_ZYGOTE_BOOT_WAIT"
+#: Note [Waiting for a booting zygote]: how long (s) a launch waits for a zygote importing now
+#: (``ZYGOTE_BOOT_WAIT_ENV``).
 DEFAULT_ZYGOTE_BOOT_WAIT_S = 30.0
 #: Note [A zygote whose package is gone] (``_zygote/loop.py``): how often (s) a zygote checks that
-#: the overmind-lab it runs is still installed.
-ZYGOTE_PACKAGE_CHECK_ENV = "OVERMIND_LAB_ZYGOTE_PACKAGE_CHECK"
+#: the overmind-lab it runs is still installed (``ZYGOTE_PACKAGE_CHECK_ENV``).
 DEFAULT_ZYGOTE_PACKAGE_CHECK_S = 10.0
-#: Settings of the zygote's own life, not of what imports do: never part of the identity.
-#: Note [Restart timeline]: a file to which the provisioner, the zygote and a forked child append
-#: one JSON line per step of a launch (``benchmarks/_warm_kernel.py`` reads it); unset: nothing.
-#: Not part of the identity. More in docs/notes.md.
-TIMELINE_ENV = "OVERMIND_LAB_TIMELINE"
-_NOT_IMPORT_ENV = frozenset({ZYGOTE_IDLE_ENV, ZYGOTE_BOOT_WAIT_ENV, ZYGOTE_PACKAGE_CHECK_ENV,
-                             TIMELINE_ENV})
+#: Note [Restart timeline]: ``TIMELINE_ENV`` names a file to which the provisioner, the zygote and
+#: a forked child append one JSON line per step of a launch (``benchmarks/_warm_kernel.py`` reads
+#: it); unset: nothing. Not part of the identity. More in docs/notes.md.
 
 
 def zygote_idle_seconds(env: Mapping[str, str] | None = None) -> float:
@@ -71,32 +61,6 @@ def zygote_package_check_seconds(env: Mapping[str, str] | None = None) -> float:
     """``$OVERMIND_LAB_ZYGOTE_PACKAGE_CHECK`` in seconds, else
     :data:`DEFAULT_ZYGOTE_PACKAGE_CHECK_S`."""
     return env_seconds(ZYGOTE_PACKAGE_CHECK_ENV, DEFAULT_ZYGOTE_PACKAGE_CHECK_S, env, zero=True)
-
-
-def import_env(env: Mapping[str, str]) -> dict[str, str]:
-    """The part of ``env`` that matters to imports."""
-    return {k: v for k, v in sorted(env.items())
-            if k.startswith(IMPORT_ENV_PREFIXES) and k not in _NOT_IMPORT_ENV}
-
-
-def environment(interpreter: str) -> str:
-    """The Python environment ``interpreter`` runs in: its venv's directory, else its prefix.
-
-    Note [Environments share an interpreter]: venvs resolve to one executable, but a kernel of
-    one must never fork from another's zygote: the venv is found from the path as given (the
-    folder above ``bin/`` with ``pyvenv.cfg``). More in docs/notes.md."""
-    path = os.path.abspath(interpreter)
-    venv = os.path.dirname(os.path.dirname(path))
-    if os.path.isfile(os.path.join(venv, "pyvenv.cfg")):
-        return os.path.realpath(venv)
-    return os.path.dirname(os.path.dirname(os.path.realpath(path)))
-
-
-def identity(interpreter: str, env: Mapping[str, str]) -> str:
-    """A short hash of the interpreter, its environment and the import-relevant variables."""
-    data = json.dumps([os.path.realpath(interpreter), environment(interpreter), sys.version,
-                       import_env(env)])
-    return hashlib.sha256(data.encode()).hexdigest()[:16]
 
 
 def zygote_dir(env: Mapping[str, str] | None = None, create: bool = True) -> Path:

@@ -1,11 +1,10 @@
-"""``overmind-lab run [-v] [--plain] SCRIPT [ARGS...]`` and ``overmind-lab run -m MODULE
-[ARGS...]``: the script runs in a child forked from the zygote of this interpreter and
-environment (torch, diffusers, transformers already imported), as ``python SCRIPT ARGS`` would
-run it (``_forked/script.py``), with this process's environment, working directory, attributes
-and standard descriptors. This process stands in for it: it forwards signals, stops and
-continues with it, and exits with its status (a script a signal ended ends this process by the
-same signal). Where no zygote can serve, it ``exec``s plain Python at once and a zygote starts
-in the background for the next run.
+"""The warm side of ``overmind-lab run`` (``run.py`` decides, ``run_warm`` runs): the script
+runs in a child forked from the zygote of this interpreter and environment (torch, diffusers,
+transformers already imported), as ``python SCRIPT ARGS`` would run it (``_forked/script.py``),
+with this process's environment, working directory, attributes and standard descriptors. This
+process stands in for it: it forwards signals, stops and continues with it, and exits with its
+status (a script a signal ended ends this process by the same signal). Where the zygote cannot
+serve (a stale one, an attribute it cannot take on), it ``exec``s plain Python.
 
 Note [A script in another session]: the zygote runs in its own session, so its child cannot
 join the terminal's: the terminal's foreground process group stays this process's. What users
@@ -26,29 +25,12 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
-from typing import Any, NoReturn
+from typing import Any
 
 from overmind_lab._launcher.stand_in import exit_like
 
-__all__ = ["main", "USAGE"]
-
-USAGE = """\
-usage: overmind-lab run [-h] [-v] [--plain] SCRIPT [ARGS ...]
-       overmind-lab run [-h] [-v] [--plain] -m MODULE [ARGS ...]
-
-Run a script as `python SCRIPT ARGS` would, in a process forked from a zygote that has torch,
-diffusers and transformers imported (and what earlier runs and kernels imported): the start
-costs a fork, not the imports. With no zygote ready (the first run, a changed installation) the
-script runs in plain Python at once and a zygote starts for the next run.
-
-options:
-  -h, --help     show this help and exit
-  -v, --verbose  say on stderr why a run was plain
-  --plain        run in plain Python (no zygote)
-  -m MODULE      run a module as `python -m MODULE` (e.g. -m pytest)
-"""
+__all__ = ["run_warm"]
 
 #: Forwarded to the script: to its process group when the terminal sent it (``SI_KERNEL``).
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
@@ -60,62 +42,6 @@ _WAKE = signal.SIGCHLD
 _OURS = (*_FORWARDED, *_JOB, _WAKE)
 #: ``si_code`` of a signal the kernel sent (a terminal's, to its foreground process group).
 _SI_KERNEL = 0x80
-
-
-def _parse(args: list[str]) -> tuple[list[str], bool, bool] | int:
-    """``(what python runs: SCRIPT ARGS or -m MODULE ARGS, verbose, plain)``, or an exit
-    status (help, a usage error)."""
-    verbose = plain = False
-    for i, arg in enumerate(args):
-        if arg in ("-h", "--help"):
-            sys.stdout.write(USAGE)
-            return 0
-        if arg in ("-v", "--verbose"):
-            verbose = True
-        elif arg == "--plain":
-            plain = True
-        elif arg == "-m":
-            if i + 1 >= len(args):
-                return _usage("-m needs a module name")
-            return ["-m", *args[i + 1:]], verbose, plain
-        elif arg.startswith("-m"):  # as python: -mpytest
-            return ["-m", arg[2:], *args[i + 1:]], verbose, plain
-        elif arg == "--":
-            if i + 1 >= len(args):
-                break
-            return args[i + 1:], verbose, plain
-        elif arg.startswith("-"):
-            return _usage(f"unknown option {arg} (python's own options: run "
-                          "`python OPTIONS SCRIPT`)")
-        else:
-            return args[i:], verbose, plain
-    return _usage("a script or -m MODULE is needed")
-
-
-def _usage(message: str) -> int:
-    sys.stderr.write(USAGE.partition("\n\n")[0] + f"\novermind-lab run: error: {message}\n")
-    return 2
-
-
-def _exec_plain(cmd: list[str], why: str | None, pending: list[int]) -> NoReturn:
-    """``exec`` plain Python; a signal that came meanwhile acts first, as on plain Python."""
-    if why:
-        print(f"overmind-lab run: plain Python: {why}", file=sys.stderr, flush=True)
-    for signum in pending:
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-    for signum in _OURS:
-        signal.signal(signum, signal.SIG_DFL)
-    os.execv(cmd[0], cmd)
-
-
-def _plain_reason(cmd: list[str]) -> str | None:
-    """Why ``cmd`` must run in plain Python before a zygote is asked, or ``None``."""
-    if not sys.platform.startswith("linux"):
-        return f"warm scripts need Linux (this is {sys.platform})"
-    if cmd[1] != "-m" and not os.path.exists(cmd[1]):
-        return f"{cmd[1]} does not exist (plain Python says so)"
-    return None
 
 
 def _fork(cmd: list[str]) -> Any:
@@ -204,17 +130,11 @@ def _follow(script: Any, pending: list[int]) -> int:
         _deliver(script, info.si_signo, info.si_code == _SI_KERNEL)
 
 
-def main(args: list[str]) -> int:
-    """``overmind-lab run ARGS``: does not return but for help and usage errors."""
-    parsed = _parse(args)
-    if isinstance(parsed, int):
-        return parsed
-    tail, verbose, plain = parsed
-    cmd = [sys.executable, *tail]
+def run_warm(cmd: list[str]) -> tuple[str, list[int]]:
+    """Run ``cmd`` (``[python, SCRIPT or -m MODULE, ARGS...]``) forked from the zygote, stand in
+    for it and exit as it did. Returns only where the zygote cannot serve: why, and the signals
+    that came meanwhile (``run.exec_plain`` runs it plain)."""
     pending: list[int] = []
-    why = "--plain" if plain else _plain_reason(cmd)
-    if why:
-        _exec_plain(cmd, why if verbose else None, pending)
     # Signals that come while the fork is asked for wait here; blocked, they would be blocked in
     # a zygote started meanwhile too (the mask survives fork and exec).
     for signum in _OURS:
@@ -222,7 +142,7 @@ def main(args: list[str]) -> int:
     try:
         script = _fork(cmd)
     except Exception as exc:  # noqa: BLE001 - Note [Never worse than plain] (provisioner)
-        _exec_plain(cmd, str(exc) if verbose else None, pending)
+        return str(exc), pending
     signal.pthread_sigmask(signal.SIG_BLOCK, _OURS)
     pending = [s for s in pending if s != _WAKE]  # (a zygote's shell that exited)
     exit_like(_follow(script, pending))

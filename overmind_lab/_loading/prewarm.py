@@ -54,11 +54,15 @@ its ``after_in_parent`` released a lock its ``before`` never took. Now a fork do
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
-import threading
-import warnings
+from _thread import allocate_lock
+
+# ``threading`` and ``warnings`` are imported once the thread starts: a process that starts none
+# (the CLI, ``overmind-lab run`` before its plain exec) pays nothing for ``import overmind_lab``.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import threading
 
 _thread: threading.Thread | None = None
 
@@ -84,6 +88,7 @@ def start() -> None:
     if _thread is not None or not wanted(list(getattr(sys, "orig_argv", sys.argv))):
         return
     import logging  # noqa: F401 - Note [A fork while the thread imports], 1
+    import threading
 
     _thread = threading.Thread(target=_run, name="overmind-lab-prewarm", daemon=True)
     os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
@@ -93,7 +98,11 @@ def start() -> None:
 def wait(timeout: float | None = 5.0) -> None:
     """Wait for the thread, if one runs (the lazy public names; tests)."""
     thread = _thread
-    if thread is not None and thread is not threading.current_thread():
+    if thread is None:
+        return
+    import threading
+
+    if thread is not threading.current_thread():
         thread.join(timeout)
 
 
@@ -104,7 +113,7 @@ _running_at_fork: int | None = None
 #: Note [A fork while the thread imports], 4: the ``ignore`` filter a fork put in, the lock
 #: around it, and whether the thread ended (no filter may go in after that)
 _quiet_filter: tuple[object, ...] | None = None
-_quiet_lock = threading.Lock()
+_quiet_lock = allocate_lock()
 _ended = False
 _FORK_WARNING = r"This process \(pid=\d+\) is multi-threaded, use of fork\(\)"
 
@@ -115,6 +124,8 @@ def _before_fork() -> None:
     _running_at_fork = thread.ident if thread is not None and thread.is_alive() else None
     if _running_at_fork is None or sys.version_info < (3, 12) or not _only_ours():
         return
+    import warnings
+
     with _quiet_lock:
         if not _ended and _quiet_filter is None:
             warnings.filterwarnings("ignore", _FORK_WARNING, DeprecationWarning)
@@ -124,6 +135,8 @@ def _before_fork() -> None:
 def _only_ours() -> bool:
     """Whether this process's threads are the main one and ours (as CPython counts them on
     Linux: the tasks of ``/proc/self``)."""
+    import threading
+
     try:
         return threading.active_count() == 2 and len(os.listdir("/proc/self/task")) == 2
     except OSError:
@@ -135,8 +148,12 @@ def _unquiet() -> None:
     global _quiet_filter
     entry, _quiet_filter = _quiet_filter, None
     if entry is not None:
-        with contextlib.suppress(ValueError):  # the user reset the filters meanwhile
+        import warnings
+
+        try:
             warnings.filters.remove(entry)  # type: ignore[attr-defined]  # a list
+        except ValueError:  # the user reset the filters meanwhile
+            pass
         mutated = getattr(warnings, "_filters_mutated", None)
         if mutated is not None:
             mutated()
@@ -145,7 +162,7 @@ def _unquiet() -> None:
 def _after_fork_in_child() -> None:
     """Note [A fork while the thread imports], 2: what the thread held, let go in the child."""
     global _thread, _quiet_lock
-    _quiet_lock = threading.Lock()  # 4: the vanished thread may hold the copy
+    _quiet_lock = allocate_lock()  # 4: the vanished thread may hold the copy
     _unquiet()
     tid = _running_at_fork
     if tid is None:
