@@ -85,6 +85,9 @@ EXTRA_CASES = {
     "warm-kernel": "kernel restarts through a real Jupyter server, plain vs warm kernel "
                    "(forked from the zygote): restart latency, the SD 1.5 and Llama 1.1B load "
                    "cells after a restart, PSS of 4 idle kernels",
+    "warm-scripts": "python SCRIPT vs overmind-lab run SCRIPT (forked from the zygote), start "
+                    "to exit: a diffusers script loading the UNet, a transformers script loading "
+                    "the Llama, -m pytest, print('hi'); and the fallback where no zygote serves",
     "decoding": "speculative decoding and early exit on the decoding example's trained pair: "
                 "tokens per second per method (trains the pair once under --models-dir)",
 }
@@ -100,6 +103,8 @@ PSS_CASE = "unet-fp32-as-fp16"
 KERNEL_CASE = "pipeline-fp32-as-fp16"
 #: The pipeline the warm-kernel case loads (fp16 stored, loaded fp16).
 WARM_KERNEL_MODEL = "fp16"
+#: The pipeline whose UNet (fp16 stored, loaded fp16) the warm-scripts case's diffusers script loads.
+WARM_SCRIPTS_MODEL = "fp16"
 
 
 def select(only: list[str] | None) -> list[str]:
@@ -145,6 +150,8 @@ def needed_models(names: list[str]) -> list[str]:
         needed.add(by_name[KERNEL_CASE].model)
     if "warm-kernel" in names:
         needed |= {WARM_KERNEL_MODEL, "llama"}
+    if "warm-scripts" in names:
+        needed |= {WARM_SCRIPTS_MODEL, "llama"}
     needed |= {_DERIVED_FROM[k] for k in needed if k in _DERIVED_FROM}
     return sorted(needed, key=lambda k: (k in _DERIVED_FROM, k))
 

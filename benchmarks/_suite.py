@@ -370,6 +370,20 @@ class Bench:
             self.error("warm-kernel: an idle warm kernel was not forked from the zygote")
         return out
 
+    # -- warm scripts --------------------------------------------------------------------------
+    def run_warm_scripts(self) -> dict[str, Any]:
+        from benchmarks._warm_scripts import run_warm_scripts
+
+        unet = self.dirs[_cases.WARM_SCRIPTS_MODEL] / "unet"
+        llama = self.dirs["llama"]
+        self.progress(f"warm-scripts: python SCRIPT vs overmind-lab run SCRIPT ({unet}, {llama})")
+        warm_page_cache([unet, llama])
+        out = run_warm_scripts(unet, llama, self.repeat, self.env, self.progress, self.logs,
+                               timeout=self.timeouts.load)
+        for message in out["errors"]:
+            self.error(f"warm-scripts: {message}")
+        return out
+
     # -- decoding ----------------------------------------------------------------------------
     def run_decoding(self) -> dict[str, Any]:
         from benchmarks._decoding import run_decoding
@@ -491,6 +505,15 @@ class Bench:
                 except Exception as exc:  # noqa: BLE001
                     self.results["warm_kernel"] = {"error": f"{type(exc).__name__}: {exc}"}
                     self.error(f"warm-kernel: {type(exc).__name__}: {exc}")
+                self.checkpoint()
+            if "warm-scripts" in names:
+                try:
+                    self.results["warm_scripts"] = self.run_warm_scripts()
+                except Exception as exc:  # noqa: BLE001
+                    self.results["warm_scripts"] = {"error": f"{type(exc).__name__}: {exc}"}
+                    self.error(f"warm-scripts: {type(exc).__name__}: {exc}")
+                with contextlib.suppress(Exception):
+                    self.evict_all()
                 self.checkpoint()
             if "decoding" in names:
                 self.results["decoding"] = self.run_decoding()
