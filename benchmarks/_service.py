@@ -87,11 +87,13 @@ class PrivateDaemon:
 
     def wait_quiet(self, timeout: float = 60) -> None:
         """Until the daemon's background work is done: segments finished on disk and the index
-        saved (``unsaved``), copies of held files made (``copying``: Note [A copy to serve])."""
+        saved (``unsaved``), copies of held files made (``copying``: Note [A copy to serve]),
+        held files refolded (``refolding``: Note [Refolding a held source])."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             status = self.client().status()
-            if not status.get("unsaved") and not status.get("copying"):
+            if not any(status.get(k) for k in ("unsaved", "copying", "refolding",
+                                               "refold_passes")):
                 return
             time.sleep(0.05)
 

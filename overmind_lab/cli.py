@@ -97,6 +97,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"socket       {status['socket']}")
         print(f"cached       {format_size(status['cached_bytes'])} in {status['entries']} "
               f"entries, budget {format_size(status['budget_bytes'])}")
+        if status.get("held_files"):  # Note [What an entry costs]
+            print(f"held         {format_size(status.get('held_bytes', 0))} of your own files "
+                  f"({status['held_files']} held open, not in the budget)")
+        if status.get("refolding"):  # Note [Refolding a held source]
+            print(f"folios       {status['refolding']} held file(s) still in small page-cache "
+                  "folios: refolded once no process maps them")
         tier = status.get("tier", "memfd")
         where = (f"files in {status.get('cache_dir')}" if tier == "file" else
                  f"memory (memfd tier: {status.get('tier_reason') or 'fallback'})")
@@ -154,7 +160,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print("no cached entries")
     else:
         rows = [[e["key"][:12], *entry_row(e)] for e in entries]
-        print(text_table(("key", *ENTRY_HEADERS), rows, right=(2, 3, 4, 5, 6, 7)))
+        print(text_table(("key", *ENTRY_HEADERS), rows, right=(2, 3, 4, 5, 6, 7, 8)))
     for gone in client.status().get("source_gone_recent") or []:  # Note [Sources let go]
         print(f"let go: {gone['key'][:12]} {gone['name']}: {gone['why']} "
               f"({format_ago(gone['at'])}): {gone['path']}")

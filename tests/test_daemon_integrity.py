@@ -10,6 +10,9 @@ Note [File signatures] (client keys) and Note [Checks before a hit] (daemon stor
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -227,26 +230,35 @@ def test_an_untouched_segment_is_served_after_a_restart_and_checked_behind(
 
 
 # -- what an entry costs ------------------------------------------------------------------
-def test_held_source_files_count_in_the_budget(sock_path: Path, tmp_path: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """Note [What an entry costs]: ``ls`` (``bytes + shared_bytes``), ``status``
-    (``cached_bytes``) and the budget count the same bytes, source files held included,
-    and what is cached stays within the budget."""
-    budget = 1_600_000  # one 1 MiB file and its small segment fit, two do not
+def test_held_source_files_are_counted_apart_from_the_budget(
+        sock_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [What an entry costs]: a held source file is the user's own: it costs no budget,
+    so files larger than the whole budget are served warm; ``ls`` (``bytes +
+    shared_bytes``), ``status`` (``cached_bytes``) and the budget count the same bytes, the
+    cache's own, and ``held_bytes`` counts the files apart."""
+    budget = 300_000  # less than one 1 MiB file: only the small segments count
     monkeypatch.setenv("OVERMIND_LAB_BUDGET", str(budget))
     client = Client()
     assert client.start()["budget_bytes"] == budget
     try:
-        for name in ("a", "b"):
-            weights = save_weights(tmp_path / f"{name}.safetensors", 1.0)
+        files = [save_weights(tmp_path / f"{name}.safetensors", 1.0) for name in ("a", "b")]
+        for weights in files:
             assert load_file_child(weights, by_path=True)["outcome"] == "cold"
-            status = wait_saved(client)
-            entries = client.entries()
-            assert status["cached_bytes"] <= budget
-            assert status["cached_bytes"] == sum(e["bytes"] + e["shared_bytes"]
-                                                 for e in entries)
-            assert all(e["bytes"] >= weights.stat().st_size for e in entries)
-        assert [e["source"] for e in entries] == [str(tmp_path / "b.safetensors")]
+            wait_saved(client)
+        for weights in files:
+            assert load_file_child(weights, by_path=True) == {"outcome": "warm",
+                                                              "sums": sums(1.0)}
+        status, entries = wait_saved(client), client.entries()
+        assert sorted(e["source"] for e in entries) == [str(f) for f in files]
+        assert status["cached_bytes"] <= budget
+        assert status["cached_bytes"] == sum(e["bytes"] + e["shared_bytes"] for e in entries)
+        sizes = sum(f.stat().st_size for f in files)
+        assert status["held_bytes"] == sizes == sum(e["held_bytes"] for e in entries)
+        assert status["held_files"] == 2
+        assert all(e["bytes"] < 64 << 10 for e in entries)
+        shown = run_py("import sys; from overmind_lab.cli import main; sys.exit(main(['status']))",
+                       env={"OVERMIND_LAB_SOCKET": str(sock_path)}).stdout
+        assert "of your own files (2 held open, not in the budget)" in shown, shown
     finally:
         client.stop()
 
@@ -288,11 +300,84 @@ def served_from(path: Path, *, by_path: bool) -> dict[str, object]:
     return load_file_child(path, by_path=by_path, code=MAPS_CHILD)
 
 
-def test_a_source_in_small_folios_is_served_from_a_copy_in_large_folios(
-        daemon: Client, tmp_path: Path) -> None:
-    """Note [Sources in small folios], Note [A copy to serve]: a just-saved file is held, and
-    copied in PMD-sized folios, which warm loads map; the checks stay the source's: a change
-    drops the entry and its copy. The same bytes written in large folios are not copied."""
+HOLDER = """
+import mmap, os, sys
+fd = os.open({path!r}, os.O_RDONLY)
+mm = mmap.mmap(fd, {nbytes}, prot=mmap.PROT_READ)
+mm.madvise(22)  # MADV_POPULATE_READ: every page mapped, as a kernel that loaded it has them
+print("mapped", flush=True)
+sys.stdin.read()
+"""
+
+
+def wait_refolded(client: Client, timeout: float = 120) -> dict[str, object]:
+    """Wait until no held file is in small folios any more (Note [Refolding a held source]):
+    each status call is a client that leaves, after which the daemon refolds what is left."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = client.status()
+        if status.get("refolding") == 0 and status.get("refold_passes") == 0:
+            return status
+        assert time.monotonic() < deadline, status
+        time.sleep(0.1)
+
+
+def test_a_source_in_small_folios_is_refolded_in_place(daemon: Client, tmp_path: Path) -> None:
+    """Note [Sources in small folios], Note [Refolding a held source]: a just-saved file is held,
+    and its own page cache read again in PMD-sized folios, window by window; a window that a
+    process maps (the first load's kernel) waits until it is gone. No copy is made: the disk
+    holds the model once."""
+    from overmind_lab._loading.sources import in_small_folios
+
+    saved = save_many(tmp_path / "saved.safetensors", 32)  # 128 MiB
+    written = rewrite_in_large_writes(saved, tmp_path / "written.safetensors")
+    if in_small_folios(str(written)):
+        pytest.skip("this file system keeps no large folios for buffered writes")
+    assert in_small_folios(str(saved))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER.format(path=str(saved), nbytes=64 << 20)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "mapped\n"
+        assert load_file_child(saved, by_path=False) == {"outcome": "cold",
+                                                         "sums": many_sums(32)}
+        status = wait_saved(daemon)
+        assert status["refolding"] == 1  # half of it mapped: waits
+        assert load_file_child(saved, by_path=False) == {"outcome": "warm",
+                                                         "sums": many_sums(32)}
+    finally:
+        assert holder.stdin is not None and holder.stdout is not None
+        holder.stdin.close()
+        holder.wait()
+        holder.stdout.close()
+    status = wait_refolded(daemon)
+    assert not in_small_folios(str(saved))
+    assert list(cache_dir().glob("*.copy")) == []
+    assert status["disk_bytes"] < 1 << 20 and status["held_bytes"] == saved.stat().st_size
+    assert "refolded " in log_text(daemon.path)
+    assert load_file_child(saved, by_path=False) == {"outcome": "warm", "sums": many_sums(32)}
+    assert served_from(saved, by_path=False) == {"copy": False, "source": True}
+    # Note [Background work yields]: refolds run in a thread at nice 19 (the pool's threads
+    # stay), the daemon's main thread at its own.
+    pid = int(status["pid"])
+    nice = {int(t): int(Path(f"/proc/{pid}/task/{t}/stat").read_text().rpartition(")")[2]
+                        .split()[16]) for t in os.listdir(f"/proc/{pid}/task")}
+    assert nice[pid] == os.getpriority(os.PRIO_PROCESS, 0) and 19 in nice.values(), nice
+
+
+@pytest.fixture
+def refold_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``OVERMIND_LAB_REFOLD=0`` for the daemon a later fixture starts: a copy serves a file
+    in small folios (Note [A copy to serve])."""
+    monkeypatch.setenv("OVERMIND_LAB_REFOLD", "0")
+
+
+def test_with_refold_off_a_source_in_small_folios_is_served_from_a_copy(
+        refold_off: None, daemon: Client, tmp_path: Path) -> None:
+    """Note [Sources in small folios], Note [A copy to serve]: with refolds off, a just-saved
+    file is held, and copied in PMD-sized folios, which warm loads map; the checks stay the
+    source's: a change drops the entry and its copy. The same bytes written in large folios
+    are not copied. The copy counts in the budget and on disk."""
     from overmind_lab._loading.sources import in_small_folios
 
     saved = save_many(tmp_path / "saved.safetensors", 32)  # 128 MiB
@@ -321,7 +406,10 @@ def test_a_source_in_small_folios_is_served_from_a_copy_in_large_folios(
     assert served_from(saved, by_path=False) == {"copy": True, "source": False}
     assert served_from(written, by_path=True) == {"copy": False, "source": True}
     assert log_text(daemon.path).count("from a copy in large folios") == 1
-    assert daemon.status()["disk_bytes"] >= 2 * saved.stat().st_size
+    status = daemon.status()
+    assert status["disk_bytes"] >= saved.stat().st_size  # the copy; the held files apart
+    assert status["cached_bytes"] >= saved.stat().st_size  # in the budget
+    assert status["held_bytes"] == saved.stat().st_size + written.stat().st_size
     # A copy changed on disk is dropped at the next hit, which the source serves.
     copy.chmod(0o600)
     with open(copy, "r+b") as f:
@@ -353,7 +441,7 @@ def test_a_source_in_small_folios_is_served_from_a_copy_in_large_folios(
 
 
 def test_an_entry_evicted_while_its_copy_is_made_leaves_nothing(
-        daemon: Client, tmp_path: Path) -> None:
+        refold_off: None, daemon: Client, tmp_path: Path) -> None:
     """Whenever the eviction comes (before, during or after the copy), no copy stays."""
     from overmind_lab._loading.sources import in_small_folios
 
@@ -369,14 +457,15 @@ def test_an_entry_evicted_while_its_copy_is_made_leaves_nothing(
 
 
 def test_a_source_in_small_folios_is_served_as_it_is_when_its_copy_exceeds_the_budget(
-        sock_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Copies fit in the budget beside what is cached (``disk_bytes`` may show both)."""
+        refold_off: None, sock_path: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Copies fit in the budget beside what is cached (Note [What an entry costs])."""
     from overmind_lab._loading.sources import in_small_folios
 
     saved = save_many(tmp_path / "saved.safetensors", 32)  # 128 MiB
     if not in_small_folios(str(saved)):
         pytest.skip("this file system keeps no small folios apart from large ones")
-    monkeypatch.setenv("OVERMIND_LAB_BUDGET", str(200 << 20))  # the entry fits, its copy not
+    monkeypatch.setenv("OVERMIND_LAB_BUDGET", str(64 << 20))  # the entry fits, its copy not
     client = Client()
     try:
         client.start()
@@ -390,7 +479,7 @@ def test_a_source_in_small_folios_is_served_as_it_is_when_its_copy_exceeds_the_b
 
 
 def test_a_source_in_small_folios_is_served_as_it_is_when_the_disk_has_no_room(
-        sock_path: Path, small_fs: Path, tmp_path: Path,
+        refold_off: None, sock_path: Path, small_fs: Path, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     from overmind_lab._loading.sources import in_small_folios
 
@@ -456,8 +545,8 @@ print(json.dumps({{"outcome": events[-1].outcome, "t": float(both["t"].sum()),
 
 def test_an_entry_with_a_reference_before_a_held_file_rebuilds_right(
         daemon: Client, tmp_path: Path) -> None:
-    """Note [What an entry costs]: the held file counts as the entry's own, yet the
-    segments keep the order the client numbered them in (``Entry.order``)."""
+    """Note [What an entry costs]: the held file is the entry's own (counted apart, as held),
+    yet the segments keep the order the client numbered them in (``Entry.order``)."""
     weights = save_weights(tmp_path / "w.safetensors", 3.0)
     env = {**os.environ, "OVERMIND_LAB_BACKGROUND_STORE": "never"}
     code = COMBINE.format(here=HERE, path=str(weights))
@@ -468,4 +557,5 @@ def test_an_entry_with_a_reference_before_a_held_file_rebuilds_right(
     kill_and_restart(daemon)  # the order is saved with the entry
     assert last_json(run_py(code, env=env)) == {"outcome": "warm", **want}
     entry = next(e for e in daemon.entries() if "combine" in e["name"])
-    assert entry["bytes"] >= weights.stat().st_size and entry["shared_bytes"] > 0
+    assert entry["held_bytes"] == weights.stat().st_size and entry["shared_bytes"] > 0
+    assert entry["bytes"] < weights.stat().st_size

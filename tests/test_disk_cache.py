@@ -53,12 +53,14 @@ def log_text(sock_path: Path) -> str:
 
 
 def wait_saved(client: Client, timeout: float = 30) -> dict[str, object]:
-    """Wait until every segment is finished on disk, the index is saved and copies of held
-    files are made (Note [A copy to serve])."""
+    """Wait until every segment is finished on disk, the index is saved, copies of held
+    files are made (Note [A copy to serve]) and no refold runs (Note [Refolding a held
+    source])."""
     deadline = time.monotonic() + timeout
     while True:
         status = client.status()
-        if status["unsaved"] == 0 and status.get("copying", 0) == 0:
+        if status["unsaved"] == 0 and status.get("copying", 0) == 0 and \
+                status.get("refold_passes", 0) == 0:
             return status
         assert time.monotonic() < deadline, status
         time.sleep(0.05)
@@ -330,10 +332,10 @@ def test_unchanged_safetensors_regions_are_referenced_by_holding_the_source_file
     assert second["outcome"] == "warm" and second["all_mapped"]
     assert first["digest"] == second["digest"] == plain_digest(model)
     [entry] = daemon.entries()
-    # Note [What an entry costs]: the held file is the entry's own, and counted.
+    # Note [What an entry costs]: the held file is the entry's own, counted apart as held.
     assert entry["shared_bytes"] == 0
-    assert entry["bytes"] >= weights.stat().st_size
-    assert status["cached_bytes"] == entry["bytes"]
+    assert entry["held_bytes"] == status["held_bytes"] == weights.stat().st_size
+    assert status["cached_bytes"] == entry["bytes"] < weights.stat().st_size
     assert sum(f.stat().st_size for f in segment_files()) < weights.stat().st_size
     weights.unlink()  # the daemon's descriptor keeps the data while it runs...
     assert kill_and_restart(daemon)["entries"] == 0  # ...but the source is gone: dropped

@@ -48,8 +48,10 @@ def test_the_panel_shows_every_entry_and_the_memory(panel: OvermindPanel,
     row = panel.row(unet["key"])
     assert row.name.value == f'<span title="{unet["key"]}">{html.escape(unet["name"])}</span>'
     size = format_bytes(unet["bytes"])
-    if unet.get("shared_bytes"):  # source files referenced by hard link (file tier)
+    if unet.get("shared_bytes"):  # segments of other entries it references
         size += f" (+{format_bytes(unet['shared_bytes'])} shared)"
+    if unet.get("held_bytes"):  # source files it holds (file tier): the user's own
+        size += f" (+{format_bytes(unet['held_bytes'])} held)"
     assert row.cells[0].value == size
     assert row.cells[1].value == "0"  # hits
     assert row.cells[3].value == "-"  # no warm load yet

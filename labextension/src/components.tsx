@@ -7,12 +7,14 @@ import { closeIcon, deleteIcon, LabIcon, refreshIcon } from '@jupyterlab/ui-comp
 import * as React from 'react';
 
 import {
+  entrySize,
   formatAgo,
   formatBytes,
   formatDuration,
   formatMilliseconds,
   formatSeconds,
   formatSpeedup,
+  heldSummary,
   holdersLabel,
   memoryBar,
   plural,
@@ -305,9 +307,12 @@ function MemoryBar({ status }: { status: IStatus }): JSX.Element {
   const evicted = status.evicted_mapped_bytes ?? 0;
   const total = status.memory_total_bytes;
   const otherBytes = total !== null ? bar.other * total : null;
+  // The user's own files held open: apart from the bar, the cache and its budget.
+  const held = heldSummary(status);
   const summary =
     `Cache ${formatBytes(cached)}` +
     (status.budget_bytes !== undefined ? ` of ${formatBytes(status.budget_bytes)} budget` : '') +
+    (held !== null ? `; ${held.label} (not in the budget)` : '') +
     `; system ${formatBytes(status.memory_available_bytes)} available of ` +
     formatBytes(status.memory_total_bytes) +
     (bar.budget !== null ? '; the mark is where the budget ends' : '');
@@ -334,6 +339,11 @@ function MemoryBar({ status }: { status: IStatus }): JSX.Element {
           cache <strong>{formatBytes(cached)}</strong>
           {status.budget_bytes !== undefined && <> / {formatBytes(status.budget_bytes)} budget</>}
         </span>
+        {held !== null && (
+          <span className="jp-OvermindLab-held" title={held.title}>
+            {held.label}
+          </span>
+        )}
         {status.running && status.tier !== undefined && (
           <span
             className="jp-OvermindLab-tier"
@@ -380,13 +390,16 @@ function EntryRow({ entry, model }: { entry: IEntry; model: OvermindModel }): JS
   const refreshing = model.isRefreshing(entry);
   const name = shortName(entry);
   const source = sourceLabel(entry.source);
-  const size = entry.bytes + entry.shared_bytes;
+  const size = entrySize(entry);
   const busy = pending !== null || refreshing;
   return (
     <li
       className={`jp-OvermindLab-entry${busy ? ' jp-mod-busy' : ''}`}
       data-key={entry.key}
-      aria-label={`${name}${source ? ` ${source}` : ''}, ${formatBytes(size)}`}
+      aria-label={
+        `${name}${source ? ` ${source}` : ''}, ${formatBytes(size.cached)}` +
+        (size.held > 0 ? `, ${formatBytes(size.held)} of your own files held` : '')
+      }
     >
       <div className="jp-OvermindLab-entryName" title={entry.name}>
         <BreakAtDots text={name} />
@@ -395,16 +408,14 @@ function EntryRow({ entry, model }: { entry: IEntry; model: OvermindModel }): JS
         <span className="jp-OvermindLab-entrySource" title={entry.source ?? ''}>
           {source}
         </span>
-        <span
-          className="jp-OvermindLab-entrySize"
-          title={
-            entry.shared_bytes > 0
-              ? `${formatBytes(entry.bytes)} own + ${formatBytes(entry.shared_bytes)} shared with other entries`
-              : `${entry.tensors} tensors`
-          }
-        >
-          {formatBytes(size)}
+        <span className="jp-OvermindLab-entrySize" title={size.title}>
+          {formatBytes(size.cached)}
         </span>
+        {size.heldLabel !== null && (
+          <span className="jp-OvermindLab-entryHeld" title={size.title}>
+            {size.heldLabel}
+          </span>
+        )}
       </div>
       <div className="jp-OvermindLab-entryStats">
         <span title={`${entry.hits} warm loads`}>

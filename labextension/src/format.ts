@@ -145,7 +145,7 @@ export function timingBar(
 
 /** Shares (0..1) of system memory for the header's memory bar. */
 export interface IMemoryBar {
-  /** The cache's own bytes. */
+  /** The cache's own bytes (`cached_bytes`); held files are not in it, nor in the budget. */
   cached: number;
   /** Memory in use by everything else. */
   other: number;
@@ -176,6 +176,78 @@ export function memoryBar(status: IStatus): IMemoryBar {
   };
 }
 
+/** Why held files are shown apart from the cache: the tooltip of each "held" number. */
+export const HELD_EXPLAINED = 'held open and served without a copy; not counted in the budget';
+
+/** Bytes of the user's own files held open (status or entry); 0 from older daemons. */
+export function heldBytes(x: { held_bytes?: number }): number {
+  const held = x.held_bytes;
+  return held !== undefined && Number.isFinite(held) && held > 0 ? held : 0;
+}
+
+/** The memory area's line about held files, with its tooltip. */
+export interface IHeldSummary {
+  /** `'held: 5.2 GiB of your own files'`. */
+  label: string;
+  title: string;
+}
+
+/**
+ * The user's own files the daemon holds, shown apart from the cache and its budget; null
+ * when it holds none, is down, or is too old to say.
+ */
+export function heldSummary(
+  status: Pick<IStatus, 'running' | 'held_bytes' | 'held_files' | 'refolding'>
+): IHeldSummary | null {
+  const held = status.running ? heldBytes(status) : 0;
+  if (held === 0) {
+    return null;
+  }
+  const files = status.held_files ?? 0;
+  const refolding = status.refolding ?? 0;
+  return {
+    label: `held: ${formatBytes(held)} of your own files`,
+    title:
+      `Your checkpoint files${files > 0 ? ` (${files})` : ''}, ${HELD_EXPLAINED}` +
+      (refolding > 0
+        ? `\n${refolding} still in small page-cache folios, being made large in the background`
+        : '')
+  };
+}
+
+/** How an entry's size is shown: the cache's bytes, and the user's files it holds apart. */
+export interface IEntrySize {
+  /** What the entry costs the cache: own plus shared bytes (the size shown). */
+  cached: number;
+  /** Bytes of the user's own files it holds open (0: none, or an older daemon). */
+  held: number;
+  /** `'+ 1.7 GiB held'`, or null when it holds none. */
+  heldLabel: string | null;
+  /** Tooltip: how the size splits. */
+  title: string;
+}
+
+/** `1.2 MiB` in the cache `+ 1.7 GiB held` apart; the title says how the size splits. */
+export function entrySize(
+  entry: Pick<IEntry, 'bytes' | 'shared_bytes' | 'held_bytes' | 'tensors'>
+): IEntrySize {
+  const held = heldBytes(entry);
+  const split =
+    entry.shared_bytes > 0
+      ? `${formatBytes(entry.bytes)} own + ${formatBytes(entry.shared_bytes)} shared with ` +
+        'other entries'
+      : `${entry.tensors} tensors`;
+  return {
+    cached: entry.bytes + entry.shared_bytes,
+    held,
+    heldLabel: held > 0 ? `+ ${formatBytes(held)} held` : null,
+    title:
+      held > 0
+        ? `${split}\n+ ${formatBytes(held)} held: your checkpoint files, ${HELD_EXPLAINED}`
+        : split
+  };
+}
+
 /** The short name of a call: `'UNet2DConditionModel.from_pretrained'` from its `name`. */
 export function shortName(entry: Pick<IEntry, 'name' | 'callable'>): string {
   const paren = entry.name.indexOf('(');
@@ -193,9 +265,14 @@ export function sourceLabel(source: string | null): string {
   return slash >= 0 && slash < trimmed.length - 1 ? trimmed.slice(slash + 1) : trimmed;
 }
 
+/** What sorting by size compares: the cache's bytes and the user's files held, together. */
+function sortSize(entry: IEntry): number {
+  return entry.bytes + entry.shared_bytes + heldBytes(entry);
+}
+
 const COMPARATORS: Record<SortKey, (a: IEntry, b: IEntry) => number> = {
   last_used: (a, b) => b.last_used - a.last_used,
-  bytes: (a, b) => b.bytes + b.shared_bytes - (a.bytes + a.shared_bytes),
+  bytes: (a, b) => sortSize(b) - sortSize(a),
   name: (a, b) => a.name.localeCompare(b.name),
   hits: (a, b) => b.hits - a.hits,
   speedup: (a, b) => (speedup(b) ?? -1) - (speedup(a) ?? -1)

@@ -27,10 +27,15 @@ export interface IEntry {
   callable: string;
   /** Main argument (usually the model path), or null. */
   source: string | null;
-  /** Bytes of the entry's own segments. */
+  /** Bytes of the entry's own segments: what it adds to the cache (and its budget). */
   bytes: number;
   /** Bytes referenced from other entries (e.g. a shared `vae=vae`). */
   shared_bytes: number;
+  /**
+   * Bytes of the user's own files (checkpoints) the entry holds open and serves without a
+   * copy: not in `bytes`, nor in the budget (absent from older daemons).
+   */
+  held_bytes?: number;
   tensors: number;
   /** Epoch seconds. */
   created: number;
@@ -64,7 +69,17 @@ export interface IStatus {
   started?: number;
   uptime_seconds?: number;
   budget_bytes?: number;
+  /** What the cache adds (segments, copies): the sum of the entries' `bytes`, within budget. */
   cached_bytes?: number;
+  /**
+   * Bytes of the user's own files held open and served without a copy: not in `cached_bytes`
+   * nor in the budget (absent from older daemons).
+   */
+  held_bytes?: number;
+  /** How many of the user's files are held open. */
+  held_files?: number;
+  /** Held files still in small page-cache folios, made large in the background. */
+  refolding?: number;
   evicted_mapped_bytes?: number;
   /** Where segments live: files in `cache_dir`, or memfds (the fallback tier). */
   tier?: 'file' | 'memfd';

@@ -10,7 +10,7 @@ import { Message } from '@lumino/messaging';
 import * as React from 'react';
 
 import { OvermindPanel } from './components';
-import { formatBytes } from './format';
+import { formatBytes, heldBytes } from './format';
 import { OvermindModel } from './model';
 
 /**
@@ -79,13 +79,19 @@ export class OvermindSidebar extends ReactWidget {
   private async _confirmEvictAll(): Promise<boolean> {
     const count = this.model.entries.length;
     const bytes = this.model.status?.cached_bytes;
+    const held = this.model.status ? heldBytes(this.model.status) : 0;
     const result = await showDialog({
       title: 'Evict all cached models?',
       body:
         `This drops ${count} ${count === 1 ? 'entry' : 'entries'}` +
         (bytes !== undefined ? ` (${formatBytes(bytes)})` : '') +
-        ' from the cache. Kernels that hold a model keep their copy; the next load of ' +
-        'each model is cold again.',
+        ' from the cache' +
+        (held > 0
+          ? ` and lets go of ${formatBytes(held)} of your own files it holds open (they ` +
+            'stay on disk)'
+          : '') +
+        '. Kernels that hold a model keep their copy; the next load of each model is cold ' +
+        'again.',
       buttons: [Dialog.cancelButton(), Dialog.warnButton({ label: 'Evict all' })]
     });
     return result.button.accept;

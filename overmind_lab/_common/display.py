@@ -193,8 +193,8 @@ def html_table(
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(trs)}</tbody></table>"
 
 
-ENTRY_HEADERS = ("name", "size", "shared", "hits", "cold", "warm", "speedup", "holders",
-                  "last used")
+ENTRY_HEADERS = ("name", "size", "shared", "held", "hits", "cold", "warm", "speedup",
+                  "holders", "last used")
 
 
 def _hits(entry: EntryJson) -> str:
@@ -210,6 +210,7 @@ def entry_row(entry: EntryJson, now: float | None = None) -> list[str]:
         str(entry.get("name", entry.get("key", "?"))),
         format_bytes(entry.get("bytes")),
         format_bytes(entry.get("shared_bytes")) if entry.get("shared_bytes") else "-",
+        format_bytes(entry.get("held_bytes")) if entry.get("held_bytes") else "-",
         _hits(entry),
         format_seconds(entry.get("cold_seconds")),
         format_seconds(entry.get("warm_median_seconds")),
@@ -234,7 +235,9 @@ def status_line(status: Status) -> str:
         f"daemon pid {status.get('pid')} on {status.get('socket')}: "
         f"{status.get('entries', 0)} entries, {format_bytes(status.get('cached_bytes'))} "
         f"cached of {format_bytes(status.get('budget_bytes'))} budget, "
-        f"{format_bytes(status.get('memory_available_bytes'))} of "
+        + (f"held: {format_bytes(status.get('held_bytes'))} of your own files, "
+           if status.get("held_bytes") else "")
+        + f"{format_bytes(status.get('memory_available_bytes'))} of "
         f"{format_bytes(status.get('memory_total_bytes'))} system memory available"
     )
 
@@ -254,7 +257,7 @@ class StatusReport:
     def __repr__(self) -> str:
         lines = [status_line(self.status)]
         if self.entries:
-            lines += ["", text_table(ENTRY_HEADERS, self.rows(), right=(1, 2, 3, 4, 5, 6))]
+            lines += ["", text_table(ENTRY_HEADERS, self.rows(), right=(1, 2, 3, 4, 5, 6, 7))]
         elif self.status.get("running"):
             lines.append("the cache is empty")
         return "\n".join(lines)
@@ -264,7 +267,7 @@ class StatusReport:
         if self.entries:
             titles = [str(e.get("key", "")) for e in self.entries]
             parts.append(
-                html_table(ENTRY_HEADERS, self.rows(), right=(1, 2, 3, 4, 5, 6), titles=titles)
+                html_table(ENTRY_HEADERS, self.rows(), right=(1, 2, 3, 4, 5, 6, 7), titles=titles)
             )
         elif self.status.get("running"):
             parts.append("<p>the cache is empty</p>")

@@ -160,7 +160,9 @@ class Status(_StatusFields, total=False):
     started: float  # epoch seconds
     uptime_seconds: float
     budget_bytes: int
-    cached_bytes: int
+    cached_bytes: int  # what the cache adds, within the budget (Note [What an entry costs])
+    held_bytes: int  # the user's own files held open, not in the budget
+    held_files: int
     tier: str  # "file" or "memfd"
     tier_reason: str
     cache_dir: str | None
@@ -168,6 +170,8 @@ class Status(_StatusFields, total=False):
     memfd_bytes: int
     resident_bytes: int
     copying: int  # held source files being copied to serve (Note [A copy to serve])
+    refolding: int  # held source files still in small folios (Note [Refolding a held source])
+    refold_passes: int  # refolds running now
     unsaved: int
     evicted_mapped_bytes: int
     entries: int
@@ -255,6 +259,7 @@ EntryJson = TypedDict("EntryJson", {
     "source": str | None,
     "bytes": int,  # own segments
     "shared_bytes": int,  # referenced from other entries
+    "held_bytes": int,  # the user's own files it holds open, not in the budget
     "tensors": int,
     "created": float,
     "last_used": float,

@@ -4,10 +4,14 @@ An entry is a key, an opaque ``meta`` the client rebuilds the result from, its s
 statistics; segments are reference counted (an entry may reference another's) and dropped
 (``on_drop``) when no entry uses them.
 
-Note [What an entry costs]: one number per segment, ``footprint`` (a file with padding and
-trailer, a memfd's bytes, a held source file's size), used by the budget, ``cached_bytes`` and
-``ls``'s ``bytes``, so ``cached_bytes`` is the sum of ``bytes`` and never above the budget.
-More in docs/notes.md.
+Note [What an entry costs]: the budget governs what the cache adds: one number per segment,
+``footprint``: a file with padding and trailer, a memfd's bytes, the copy of a held source file
+(Note [A copy to serve] in ``store``). It is what ``cached_bytes`` and ``ls``'s ``bytes`` add up,
+so ``cached_bytes`` is the sum of ``bytes`` and never above the budget. A held source file is
+the user's own file: holding it costs the cache one descriptor (Note [Descriptor budget]) and
+no memory or disk of its own, so it is counted apart (``held_bytes``, shown as "held: ... of
+your own files") and never refused for its size: a 70B model in its stored dtype is served
+warm under a 4 GiB budget. More in docs/notes.md.
 
 Note [Descriptor budget]: every segment holds one descriptor in the daemon, so their number
 is bounded too (``max_segments``: ``RLIMIT_NOFILE`` less a reserve) and evicted LRU like bytes;
@@ -27,7 +31,7 @@ from dataclasses import dataclass, field
 
 from overmind_lab._common.lookup import match_keys
 from overmind_lab._common.messages import JsonObject, RefreshState, ReplaySpec
-from overmind_lab._daemon.store import Segment, footprint
+from overmind_lab._daemon.store import Segment, footprint, held_size
 
 __all__ = ["Segment", "Entry", "Index", "TooLarge", "WARM_HISTORY"]
 
@@ -92,6 +96,15 @@ class Index:
     @property
     def cached_bytes(self) -> int:
         return sum(footprint(s) for s in self.segments.values())
+
+    @property
+    def held_bytes(self) -> int:
+        """The user's own files held open (Note [What an entry costs]): not in the budget."""
+        return sum(held_size(s) for s in self.segments.values())
+
+    def entry_held(self, entry: Entry) -> int:
+        """The bytes of the user's files that ``entry`` holds as its own segments."""
+        return sum(held_size(self.segments[s]) for s in entry.own if s in self.segments)
 
     def entry_bytes(self, entry: Entry) -> tuple[int, int]:
         own = sum(footprint(self.segments[s]) for s in entry.own if s in self.segments)

@@ -54,6 +54,7 @@ from overmind_lab._daemon.holders import HolderScanner
 from overmind_lab._daemon.index import Entry, Index, Segment, TooLarge
 from overmind_lab._daemon.leases import Leases
 from overmind_lab._daemon.persist import restore, snapshot, source_changed
+from overmind_lab._daemon.refold import RETRY_SECONDS
 from overmind_lab._daemon.store import (
     Corrupt,
     Store,
@@ -123,6 +124,12 @@ def max_segments() -> int:
     return max(16, soft - FD_RESERVE)
 
 
+#: Note [Refolding a held source] (``refold``): ``0`` leaves the page cache of the user's files
+#: alone and serves a copy of a file in small folios instead (Note [A copy to serve]).
+REFOLD_ENV = "OVERMIND_LAB_REFOLD"
+#: How long (s) the daemon waits after a client left before it refolds (others may follow).
+REFOLD_SETTLE = 0.25
+
 #: The nice value of the threads that copy sources (Note [Background work yields]).
 BACKGROUND_NICE = 19
 
@@ -155,6 +162,9 @@ class Daemon:
         self.pending_links: dict[str, list[Segment]] = {}  # key -> linked, not stored yet
         self.finishing: dict[str, Segment] = {}  # id -> segment being finished
         self.copying: dict[str, asyncio.Future[None]] = {}  # Note [A copy to serve]
+        #: Note [Refolding a held source] (``refold``): passes running, and a client gone
+        self.refolding: dict[str, asyncio.Future[None]] = {}
+        self._client_left = asyncio.Event()
         self._stopping = threading.Event()  # ends the copies
         #: Note [Background work yields]: copies
         self._background = ThreadPoolExecutor(2, "overmind-lab-background", _lower_priority)
@@ -183,6 +193,7 @@ class Daemon:
         self._listener = sock
         self._accepting = asyncio.ensure_future(self._accept_loop(sock))
         background = [asyncio.ensure_future(self._scrub_all()),
+                      asyncio.ensure_future(self._refold_pending()),
                       asyncio.ensure_future(self._watch_sources(
                           env_seconds(SOURCE_CHECK_ENV, SOURCE_CHECK_SECONDS))),
                       *(asyncio.ensure_future(self._watch(w)) for w in watches)]
@@ -198,10 +209,10 @@ class Daemon:
     async def _shutdown(self) -> None:
         """Finish the files being written, save the index, let go of the segments."""
         self._stopping.set()
-        if self.finishing or self.copying:
+        if self.finishing or self.copying or self.refolding:
             await asyncio.wait([*(asyncio.ensure_future(self._finished(sid))
                                   for sid in list(self.finishing)),
-                                *self.copying.values()], timeout=60)
+                                *self.copying.values(), *self.refolding.values()], timeout=60)
         for seg in [*self.pending.values(), *(s for v in self.pending_links.values()
                                                for s in v)]:
             self.store.discard(seg)
@@ -315,6 +326,7 @@ class Daemon:
         finally:
             self.leases.release_all(conn)  # Note [Single flight and takeover]
             conn.chan.close()
+            self._client_left.set()  # Note [Refolding a held source]
 
     async def _conversation(self, conn: Connection) -> None:
         while True:
@@ -474,10 +486,9 @@ class Daemon:
             raise _RequestError(ErrorKind.STALE_REFERENCE,
                                 f"referenced segments were evicted: {sorted(missing)}")
         nbytes = int(msg["nbytes"])
-        # Note [What an entry costs]: the source files it holds count like its segment.
-        linked = sum(footprint(s) for s in self.pending_links.get(key, []))
+        # Note [What an entry costs]: the source files it holds cost descriptors, not budget.
         try:
-            evicted = self.index.reserve(key, file_bytes(nbytes) + linked, protect,
+            evicted = self.index.reserve(key, file_bytes(nbytes), protect,
                                          segments=1 + len(self.pending_links.get(key, [])))
         except TooLarge as exc:
             raise _RequestError(ErrorKind.TOO_LARGE, f"not cached: {exc}") from None
@@ -567,12 +578,72 @@ class Daemon:
             self.finishing[seg.id] = seg
             asyncio.ensure_future(self._finish(seg))
         for held in new[1:]:
-            if held.small_folios and held.id not in self.copying:
-                self.copying[held.id] = asyncio.ensure_future(self._copy(held))
+            if held.small_folios:  # Note [Refolding a held source] (``refold``)
+                self._refold_soon(held)
         # Note [What a store promises]: "cached in this daemon" (these bytes or a miss, for
         # every later asker), not yet on disk: a crash keeps the entry whole or not at all
         # (``unsaved == 0`` once kept). More in docs/notes.md.
         return Answer({"ok": True, "key": key})
+
+    def _refold_soon(self, seg: Segment) -> None:
+        if seg.id in self.refolding or seg.id in self.copying:
+            return
+        if os.environ.get(REFOLD_ENV, "1") == "0":  # the user's page cache left alone: a copy
+            seg.small_folios = False
+            self.copying[seg.id] = asyncio.ensure_future(self._copy(seg))
+            return
+        self.refolding[seg.id] = asyncio.ensure_future(self._refold(seg))
+
+    async def _refold(self, seg: Segment) -> None:
+        """Note [Refolding a held source] (``refold``): in a background thread, from a duplicate
+        of the held descriptor (an eviction meanwhile cannot close it under the pass). Done:
+        served as it is; busy: again later (``_refold_pending``); where the file system keeps
+        no large folios: the copy (Note [A copy to serve])."""
+        path = (seg.source or {}).get("path")
+        try:
+            src = os.dup(seg.fd)
+        except OSError:
+            del self.refolding[seg.id]
+            return
+        try:
+            done, why = await asyncio.get_running_loop().run_in_executor(
+                self._background, self.store.refold_source, seg, src, self._stopping)
+        except OSError as exc:
+            done, why = None, str(exc)
+        finally:
+            os.close(src)
+            del self.refolding[seg.id]
+        if seg.id not in self.index.segments or self._stopping.is_set():
+            return
+        if done is None:  # the copy, which says for itself where it cannot be made either
+            log.info("not refolding %s: %s", path, why)
+            seg.small_folios = False
+            self.copying[seg.id] = asyncio.ensure_future(self._copy(seg))
+        elif done.done:
+            seg.small_folios = False
+            log.info("refolded %s: %d MiB in large folios (%.2f s)", path, seg.size >> 20,
+                     done.seconds)
+        elif done.unable:
+            log.info("%s stays in small folios (its file system keeps no large ones): a "
+                     "copy serves it", path)
+            seg.small_folios = False  # not refolded again
+            self.copying[seg.id] = asyncio.ensure_future(self._copy(seg))
+        elif done.busy:
+            log.debug("refolding %s: %d of %d windows mapped by a process, later",
+                      path, done.busy, done.windows)
+
+    async def _refold_pending(self) -> None:
+        """Refold the held files still in small folios once a client went away (the process
+        that mapped one may be gone) or every ``RETRY_SECONDS`` (Note [Refolding a held
+        source])."""
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._client_left.wait(), RETRY_SECONDS)
+            await asyncio.sleep(REFOLD_SETTLE)  # one pass for clients that leave together
+            self._client_left.clear()
+            for seg in list(self.index.segments.values()):
+                if seg.tier == "link" and seg.small_folios and seg.fd >= 0:
+                    self._refold_soon(seg)
 
     async def _copy(self, seg: Segment) -> None:
         """Note [A copy to serve] (``store``): made in a thread from a duplicate of the held
@@ -593,9 +664,11 @@ class Daemon:
 
     async def _make_copy(self, seg: Segment) -> tuple[int, str]:
         """``Store.copy_source``'s answer, or why no copy is tried."""
-        copies = sum(s.size for s in self.index.segments.values() if s.copy_fd >= 0)
-        if self.index.cached_bytes + copies + seg.size > self.index.budget:
-            return -1, "it does not fit in the budget"  # copies fit beside what is cached
+        # Note [What an entry costs]: a copy is the cache's own bytes; those made count already
+        making = sum(self.index.segments[s].size for s in self.copying
+                     if s != seg.id and s in self.index.segments)
+        if self.index.cached_bytes + making + seg.size > self.index.budget:
+            return -1, "it does not fit in the budget"
         try:
             src = os.dup(seg.fd)
         except OSError as exc:
@@ -795,10 +868,15 @@ class Daemon:
             "version": __version__, "started": self.started,
             "uptime_seconds": time.time() - self.started,
             "budget_bytes": self.index.budget, "cached_bytes": self.index.cached_bytes,
+            "held_bytes": self.index.held_bytes, "held_files": sum(
+                1 for s in self.index.segments.values() if s.tier == "link"),
             "tier": self.store.tier, "tier_reason": self.store.reason,
             "cache_dir": str(self.store.dir) if self.store.dir else None,
             "disk_bytes": disk, "memfd_bytes": memory, "resident_bytes": resident,
             "copying": len(self.copying),
+            "refolding": sum(1 for s in self.index.segments.values()
+                             if s.tier == "link" and s.small_folios),
+            "refold_passes": len(self.refolding),
             "unsaved": len(self.finishing) + len(self.summing)
             + int(self._dirty or (self._saver is not None and not self._saver.done())),
             "evicted_mapped_bytes": sum(self.index.evicted.values()),
@@ -813,8 +891,8 @@ class Daemon:
         """Bytes of segments on disk, in memfds, and resident in memory now."""
         disk = memory = resident = 0
         for seg in self.index.segments.values():
-            if seg.tier in ("file", "link"):
-                disk += footprint(seg) + (seg.size if seg.copy_fd >= 0 else 0)
+            if seg.tier in ("file", "link"):  # a held file's: its copy's (the file is yours)
+                disk += footprint(seg)
             else:
                 memory += footprint(seg)
             resident += resident_bytes(seg.serve_fd, seg.size) or 0
@@ -831,7 +909,8 @@ class Daemon:
             out.append({
                 "key": entry.key, "name": entry.name, "class": entry.cls,
                 "callable": entry.callable, "source": entry.source, "bytes": own,
-                "shared_bytes": shared, "tensors": entry.tensors, "created": entry.created,
+                "shared_bytes": shared, "held_bytes": self.index.entry_held(entry),
+                "tensors": entry.tensors, "created": entry.created,
                 "last_used": entry.last_used, "hits": entry.hits,
                 "verified": entry.verified,
                 "cold_seconds": entry.cold_seconds, "store_seconds": entry.store_seconds,

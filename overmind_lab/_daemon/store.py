@@ -22,7 +22,6 @@ moves mtime and ctime (multigrain timestamps since Linux 6.13). More in docs/not
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import fcntl
 import json
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from overmind_lab._common.fileio import pwrite_all
+from overmind_lab._common.folios import cached_bytes
 from overmind_lab._common.naming import CACHE_DIR_ENV, MEMFD_PREFIX, SEGMENT_SEALS
 from overmind_lab._daemon.cachedir import (
     FALLBACK_FILESYSTEMS,
@@ -50,10 +50,12 @@ from overmind_lab._daemon.cachedir import (
     open_cache_dir,
     unsafe_parent,
 )
+from overmind_lab._daemon.refold import Refolded, refold
 
 __all__ = ["CacheDirRefused", "CacheDirUnavailable", "Corrupt", "Segment", "Store",
            "new_segment_id", "check_cache_dir", "cache_dir_wait", "open_cache_dir",
-           "unsafe_parent", "filesystem_type", "footprint", "file_bytes", "resident_bytes",
+           "unsafe_parent", "filesystem_type", "footprint", "held_size", "file_bytes",
+           "resident_bytes",
            "identity", "IDENTITY"]
 
 log = logging.getLogger("overmind_lab.daemon")
@@ -479,6 +481,18 @@ class Store:
         os.close(rw)
         return ro, ""
 
+    def refold_source(self, seg: Segment, src: int,
+                      stop: threading.Event) -> tuple[Refolded | None, str]:
+        """Note [Refolding a held source] (``refold``) for the held file ``src`` (the caller's
+        duplicate of ``seg.fd``), on a local disk only (a hung network mount would hang the
+        thread, and its pages would come back over the network): ``(what it did, "")``, or
+        ``(None, why not)``. Blocking."""
+        fstype = filesystem_type(Path(str((seg.source or {}).get("path"))))
+        if fstype == "unknown" or fstype.partition(".")[0] in FALLBACK_FILESYSTEMS:
+            return None, f"it is on {fstype}, not a local disk"
+        done = refold(src, seg.size, stop)
+        return done, "" if done is not None else "the kernel cannot tell its folios apart"
+
     def drop_copy(self, seg: Segment) -> None:
         """Close and delete ``seg``'s copy (``copy_source``), if it has one."""
         if seg.copy_fd >= 0:
@@ -757,10 +771,16 @@ def _parent_id(path: str) -> tuple[int, int] | None:
 
 
 def footprint(seg: Segment) -> int:
-    """What a segment costs where it lives: file bytes with the trailer, or memfd bytes."""
+    """What a segment costs the cache (Note [What an entry costs] in ``index``): file bytes with
+    the trailer, memfd bytes, or a held source file's copy (the file itself is the user's)."""
     if seg.tier == "link":
-        return seg.size  # blocks shared with the source file while it exists
+        return seg.size if seg.copy_fd >= 0 else 0
     return file_bytes(seg.size) if seg.tier == "file" else max(seg.size, 1)
+
+
+def held_size(seg: Segment) -> int:
+    """The bytes of the user's own file a segment holds open (the link tier), else 0."""
+    return seg.size if seg.tier == "link" else 0
 
 
 def file_bytes(size: int) -> int:
@@ -769,21 +789,9 @@ def file_bytes(size: int) -> int:
 
 
 def resident_bytes(fd: int, size: int) -> int | None:
-    """Bytes of ``fd``'s first ``size`` bytes now in memory (page cache or shmem)."""
-    if size <= 0:
-        return 0
-    rng = (ctypes.c_uint64 * 2)(0, size)
-    out = (ctypes.c_uint64 * 5)()
-    if _libc is not None and _libc.syscall(_SYS_CACHESTAT, fd, rng, out, 0) == 0:
-        return min(int(out[0]) * PAGE, size)
-    return None  # kernels before 6.5 have no cachestat: unknown
-
-
-_SYS_CACHESTAT = 451  # the same number on every architecture (generic syscall table)
-try:
-    _libc: Any = ctypes.CDLL(None, use_errno=True)
-except OSError:  # pragma: no cover - not glibc/musl
-    _libc = None
+    """Bytes of ``fd``'s first ``size`` bytes now in memory (page cache or shmem); ``None``:
+    unknown (kernels before 6.5 have no ``cachestat``)."""
+    return cached_bytes(fd, 0, size)
 
 
 def _align(n: int) -> int:

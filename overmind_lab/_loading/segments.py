@@ -18,7 +18,6 @@ written its private copy, only bytes equal to the sealed segment are referenced.
 from __future__ import annotations
 
 import bisect
-import ctypes
 import mmap
 import os
 import threading
@@ -27,6 +26,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from overmind_lab._common.fileio import pwrite_all
+from overmind_lab._common.folios import mapping_address
 
 __all__ = ["write_segment", "map_segment", "Mapping", "find_mapping", "mapped_fds", "prefault"]
 #: 1 faults every page of a warm load in before returning; off, a warm load costs the same for 1 GB
@@ -176,15 +176,6 @@ def map_segment(segment_id: str, size: int, fd: int) -> tuple[Mapping, mmap.mmap
     if os.environ.get(PREFAULT_ENV, "0") == "1":
         prefault(mapping)
     return mapping, mm
-
-
-def mapping_address(mm: mmap.mmap) -> int:
-    """Where a writable mapping starts. Through ``ctypes``, not the native module: importing it
-    is 0.6 ms of a fresh process's first hit (Note [A first call's imports] in ``load.py``)."""
-    probe = ctypes.c_char.from_buffer(mm)
-    address = ctypes.addressof(probe)
-    del probe  # releases the buffer export: the mmap can close once its users are gone
-    return address
 
 
 def _forget(address: int, fd: int) -> None:

@@ -19,7 +19,6 @@ past a truncation): the hazard of plain ``safetensors`` loading, no worse.
 from __future__ import annotations
 
 import bisect
-import ctypes
 import mmap
 import os
 import stat
@@ -27,7 +26,7 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from overmind_lab._loading.segments import mapping_address
+from overmind_lab._common.folios import MADV_POPULATE_READ, PMD, huge_windows, mapping_address
 
 if TYPE_CHECKING:
     from overmind_lab._common.messages import SourceRecord
@@ -154,24 +153,7 @@ def _pages_unmodified(pagemap: int, address: int, nbytes: int) -> bool:
 # -- Note [Sources in small folios] ------------------------------------------------------------
 #: Files smaller than this are served as they are: their first touch costs little either way.
 MIN_FOLIO_PROBE = 32 << 20
-_PMD = 2 << 20
 _PROBES = 32  # 2 MiB windows sampled per file
-_MADV_POPULATE_READ = 22  # Linux 5.14; a failed fault is an error, not SIGBUS
-_PAGE_IS_HUGE = 1 << 6  # PAGEMAP_SCAN's category of a range mapped by one PMD (Linux 6.7)
-
-
-class _ScanArg(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_uint64) for name in (
-        "size", "flags", "start", "end", "walk_end", "vec", "vec_len", "max_pages",
-        "category_inverted", "category_mask", "category_anyof_mask", "return_mask")]
-
-
-class _Region(ctypes.Structure):
-    _fields_ = [("start", ctypes.c_uint64), ("end", ctypes.c_uint64),
-                ("categories", ctypes.c_uint64)]
-
-
-_PAGEMAP_SCAN = (3 << 30) | (ctypes.sizeof(_ScanArg) << 16) | (ord("f") << 8) | 16  # _IOWR
 
 
 def in_small_folios(path: str) -> bool:
@@ -203,41 +185,22 @@ def in_small_folios(path: str) -> bool:
         os.close(fd)
     try:
         base = mapping_address(mm)
-        first = -base % _PMD
-        windows = range(first, size - _PMD + 1, _PMD)
+        first = -base % PMD
+        windows = range(first, size - PMD + 1, PMD)
         if not windows:
             return False
         step = max(1, len(windows) // _PROBES)
         sampled = windows[::step]
         for offset in sampled:
-            mm.madvise(_MADV_POPULATE_READ, offset, PAGE)
-        huge = _huge_windows(base + first, base + size)
+            mm.madvise(MADV_POPULATE_READ, offset, PAGE)
+        huge = huge_windows(base + first, base + size)
     except OSError:
         return False
     finally:
         mm.close()
     if huge is None:
         return False
-    hits = sum(1 for offset in sampled if (base + offset) // _PMD in huge)
+    hits = sum(1 for offset in sampled if (base + offset) // PMD in huge)
     return hits * 2 < len(sampled)
 
 
-def _huge_windows(start: int, end: int) -> set[int] | None:
-    """The 2 MiB windows (address // 2 MiB) of ``[start, end)`` that one PMD maps, or ``None``."""
-    try:
-        pagemap = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        regions = (_Region * 1024)()
-        arg = _ScanArg(size=ctypes.sizeof(_ScanArg), start=start, end=end,
-                       vec=ctypes.addressof(regions), vec_len=len(regions),
-                       category_mask=_PAGE_IS_HUGE, return_mask=_PAGE_IS_HUGE)
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
-        found = libc.ioctl(pagemap, _PAGEMAP_SCAN, ctypes.byref(arg))
-    finally:
-        os.close(pagemap)
-    if found < 0:  # ENOTTY before Linux 6.7
-        return None
-    return {w for r in regions[:found] for w in range(r.start // _PMD, r.end // _PMD)}

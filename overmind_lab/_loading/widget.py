@@ -92,6 +92,8 @@ class _Row:
         size = format_bytes(entry.get("bytes"))
         if entry.get("shared_bytes"):
             size += f" (+{format_bytes(entry['shared_bytes'])} shared)"
+        if entry.get("held_bytes"):  # Note [What an entry costs]: the user's own files
+            size += f" (+{format_bytes(entry['held_bytes'])} held)"
         refresh = entry.get("refresh") or {}
         state = {"running": "refreshing...", "failed": "refresh failed",
                  "done": "refreshed"}.get(str(refresh.get("state")), "")

@@ -10,6 +10,7 @@ export function makeEntry(overrides: Partial<IEntry> = {}): IEntry {
     source: '/models/sd/unet',
     bytes: 3_438_167_536,
     shared_bytes: 0,
+    held_bytes: 0,
     tensors: 686,
     created: 1_700_000_000,
     last_used: 1_700_000_100,
@@ -72,6 +73,9 @@ export class MemoryAPI implements IOvermindAPI {
             uptime_seconds: 10,
             budget_bytes: 1000,
             cached_bytes: this.entryList.reduce((n, e) => n + e.bytes, 0),
+            held_bytes: this.entryList.reduce((n, e) => n + (e.held_bytes ?? 0), 0),
+            held_files: this.entryList.filter(e => (e.held_bytes ?? 0) > 0).length,
+            refolding: 0,
             evicted_mapped_bytes: 0,
             entries: this.entryList.length
           }

@@ -1,10 +1,13 @@
 import {
+  entrySize,
   formatAgo,
   formatBytes,
   formatDuration,
   formatMilliseconds,
   formatSeconds,
   formatSpeedup,
+  heldBytes,
+  heldSummary,
   holdersLabel,
   memoryBar,
   plural,
@@ -166,6 +169,14 @@ describe('memoryBar', () => {
     expect(memoryBar(down)).toEqual({ cached: 0, other: 0.25, budget: null, overBudget: false });
   });
 
+  it('leaves held files out: the bar and the budget are about the cache alone', () => {
+    // The user's own files held open cost no budget: 40 GiB held over a 32 GiB budget.
+    const holding: IStatus = { ...running, held_bytes: 40 * gib, held_files: 3, refolding: 1 };
+    expect(memoryBar(holding)).toEqual(memoryBar(running));
+    expect(memoryBar(holding).overBudget).toBe(false);
+    expect(memoryBar({ ...holding, cached_bytes: 33 * gib }).overBudget).toBe(true);
+  });
+
   it('survives missing memory numbers', () => {
     const bare: IStatus = {
       running: false,
@@ -174,6 +185,83 @@ describe('memoryBar', () => {
       memory_available_bytes: null
     };
     expect(memoryBar(bare)).toEqual({ cached: 0, other: 0, budget: null, overBudget: false });
+  });
+});
+
+describe('held files', () => {
+  const gib = 1024 ** 3;
+  const status: IStatus = {
+    running: true,
+    socket: '/tmp/s',
+    cached_bytes: 1024 ** 2,
+    budget_bytes: 4 * gib,
+    held_bytes: 5.2 * gib,
+    held_files: 3,
+    refolding: 0,
+    memory_total_bytes: 64 * gib,
+    memory_available_bytes: 40 * gib
+  };
+
+  it('counts held bytes, as 0 from an older daemon', () => {
+    expect(heldBytes({ held_bytes: 7 })).toBe(7);
+    expect(heldBytes({ held_bytes: 0 })).toBe(0);
+    expect(heldBytes({})).toBe(0);
+    expect(heldBytes({ held_bytes: NaN })).toBe(0);
+  });
+
+  it('shows what the daemon holds of your own files, apart from the budget', () => {
+    const held = heldSummary(status);
+    expect(held?.label).toBe('held: 5.2 GiB of your own files');
+    expect(held?.title).toBe(
+      'Your checkpoint files (3), held open and served without a copy; not counted in the budget'
+    );
+  });
+
+  it('says when held files are still being refolded', () => {
+    const held = heldSummary({ ...status, refolding: 2 });
+    expect(held?.title).toMatch(/not counted in the budget\n2 still in small page-cache folios/);
+  });
+
+  it('shows nothing when nothing is held, the daemon is down, or too old to say', () => {
+    expect(heldSummary({ ...status, held_bytes: 0, held_files: 0 })).toBeNull();
+    const { held_bytes: _b, held_files: _f, refolding: _r, ...older } = status;
+    expect(heldSummary(older)).toBeNull();
+    expect(heldSummary({ ...status, running: false })).toBeNull();
+  });
+
+  it("shows an entry's held bytes apart from its size", () => {
+    const size = entrySize(
+      makeEntry({ bytes: 1.2 * 1024 ** 2, shared_bytes: 0, held_bytes: 1.7 * gib, tensors: 686 })
+    );
+    expect(size.cached).toBe(1.2 * 1024 ** 2);
+    expect(formatBytes(size.cached)).toBe('1.2 MiB');
+    expect(size.held).toBe(1.7 * gib);
+    expect(size.heldLabel).toBe('+ 1.7 GiB held');
+    expect(size.title).toBe(
+      '686 tensors\n+ 1.7 GiB held: your checkpoint files, held open and served without a ' +
+        'copy; not counted in the budget'
+    );
+  });
+
+  it('keeps the split with shared entries in the title', () => {
+    const size = entrySize(
+      makeEntry({ bytes: 1024 ** 2, shared_bytes: 3 * 1024 ** 2, held_bytes: 2 * gib })
+    );
+    expect(size.cached).toBe(4 * 1024 ** 2);
+    expect(size.title).toMatch(/^1 MiB own \+ 3 MiB shared with other entries\n\+ 2 GiB held: /);
+  });
+
+  it('shows no held part when an entry holds none, or the daemon is too old to say', () => {
+    for (const held_bytes of [0, undefined]) {
+      const size = entrySize(makeEntry({ bytes: 10, shared_bytes: 5, held_bytes }));
+      expect(size).toEqual({
+        cached: 15,
+        held: 0,
+        heldLabel: null,
+        title: '10 B own + 5 B shared with other entries'
+      });
+    }
+    expect(entrySize(makeEntry({ held_bytes: undefined })).title).toBe('686 tensors');
   });
 });
 
@@ -219,6 +307,18 @@ describe('sortEntries', () => {
     ['speedup', ['aa', 'bb', 'cc']]
   ] as const)('by %s', (by, keys) => {
     expect(sortEntries([a, b, c], by).map(e => e.key)).toEqual(keys);
+  });
+
+  it('sorts by size with the held files: a large model held open sorts as large', () => {
+    const held = makeEntry({ key: 'dd', bytes: 1, shared_bytes: 0, held_bytes: 1000 });
+    const older = makeEntry({ key: 'ee', bytes: 20, held_bytes: undefined });
+    expect(sortEntries([a, b, c, held, older], 'bytes').map(e => e.key)).toEqual([
+      'dd',
+      'cc',
+      'bb',
+      'ee',
+      'aa'
+    ]);
   });
 
   it('breaks ties by key and leaves the input alone', () => {

@@ -28,6 +28,20 @@ describe('OvermindModel.update', () => {
     expect(changes()).toBe(2);
   });
 
+  it('keeps the held files apart from the cached bytes', async () => {
+    const { api, model } = setup();
+    api.entryList = [
+      makeEntry({ key: 'aa', bytes: 1, held_bytes: 500 }),
+      makeEntry({ key: 'bb', bytes: 9 })
+    ];
+    await model.update();
+    expect(model.status?.cached_bytes).toBe(10);
+    expect(model.status?.held_bytes).toBe(500);
+    expect(model.status?.held_files).toBe(1);
+    model.sortBy = 'bytes';
+    expect(model.entries.map(e => e.key)).toEqual(['aa', 'bb']);
+  });
+
   it('treats a stopped daemon as a state, not an error', async () => {
     const { api, model } = setup();
     api.running = false;
