@@ -50,6 +50,17 @@ its ``after_in_parent`` released a lock its ``before`` never took. Now a fork do
    does once the thread ended. The filter is added and taken out under ``_quiet_lock``, so one
    added as the thread ends is taken out too; the child, whose copy of the lock may be held by
    the vanished thread, makes a new one.
+
+Note [A package half imported by another thread]: an import of ``pkg.sub`` does not wait for
+``pkg`` when ``pkg`` is already in ``sys.modules``, even while another thread is still running
+its ``__init__``. For ``importlib`` that is fatal: a thread that imports ``importlib.util`` (the
+user's ``import torch``) while this thread runs ``importlib/__init__.py``, before that binds
+``importlib._bootstrap`` to the interpreter's own ``_frozen_importlib``, loads a second, never
+set up copy of the frozen ``importlib._bootstrap`` and rebinds the package's ``_bootstrap`` to
+it; every later ``importlib.import_module`` then raises ``NameError: name 'sys' is not
+defined``. CI met it once (``overmind_lab.load`` in a fresh venv's ``python -c``), so
+``importlib`` and ``importlib.util`` are imported by the importing thread before the thread
+starts (0.3 ms where nothing imported them yet).
 """
 
 from __future__ import annotations
@@ -87,6 +98,7 @@ def start() -> None:
     global _thread
     if _thread is not None or not wanted(list(getattr(sys, "orig_argv", sys.argv))):
         return
+    import importlib.util  # noqa: F401 - Note [A package half imported by another thread]
     import logging  # noqa: F401 - Note [A fork while the thread imports], 1
     import threading
 
