@@ -4,6 +4,10 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -163,3 +167,35 @@ def test_the_thread_registers_no_fork_hooks_that_pair_before_and_after() -> None
     assert [name for name, hooks in regs if name == "overmind-lab-prewarm"]  # it does register
     assert not [hooks for name, hooks in regs if name == "overmind-lab-prewarm"
                 and ("before" in hooks or "after_in_parent" in hooks)], regs
+
+
+def test_importlib_is_whole_before_the_thread_starts(tmp_path: Path) -> None:
+    """Note [A package half imported by another thread]: the thread starts only once
+    ``importlib`` and ``importlib.util`` are imported, so the user's imports beside it never see
+    ``importlib`` half run. The package is imported as a wheel's would be: a copy on
+    ``PYTHONPATH`` with ``-S`` (the editable install's finder imports ``importlib.util`` itself,
+    before the package), in an interpreter that has imported neither."""
+    import overmind_lab
+
+    shutil.copytree(Path(overmind_lab.__file__).resolve().parent, tmp_path / "overmind_lab",
+                    ignore=shutil.ignore_patterns("labextension", "__pycache__", "*.so"))
+    code = """
+import json, sys, threading
+before = [name in sys.modules for name in ("importlib", "importlib.util")]
+seen = []
+start = threading.Thread.start
+def recording(self):
+    seen.append([name in sys.modules for name in ("importlib", "importlib.util")])
+    return start(self)
+threading.Thread.start = recording
+import overmind_lab
+from overmind_lab._loading import prewarm
+prewarm.wait()
+print(json.dumps({"file": overmind_lab.__file__, "before": before, "seen": seen}))
+"""
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "OVERMIND_LAB_PREWARM": "1"}
+    out = subprocess.run([sys.executable, "-S", "-c", code], env=env, cwd="/", check=True,
+                         capture_output=True, text=True, timeout=120)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["file"].startswith(str(tmp_path)) and result["before"] == [False, False]
+    assert result["seen"] == [[True, True]], result
