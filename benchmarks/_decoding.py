@@ -19,7 +19,9 @@ another process holds the other core):
 Reported: median tokens per second per method over the prompts; alpha (the per-token
 acceptance estimated from all the speculative rounds) and, per K, the measured tokens
 per target pass against (1 - alpha^(K+1)) / (1 - alpha); the best K and its speedup over
-greedy; the early-exit histogram, average layers, agreement and speedup.
+greedy; the single-prompt speedups at K = 2 and K = 4 (``single_prompt``: greedy and
+speculative tokens per second, their ratio and alpha, each K on its own row); the
+early-exit histogram, average layers, agreement and speedup.
 
 This module imports torch only in the child.
 """
@@ -39,6 +41,9 @@ __all__ = ["SPEEDUP_TARGET", "markdown", "run_decoding"]
 
 #: Greedy speculative decoding (best K) over greedy decoding, tokens per second.
 SPEEDUP_TARGET = 1.5
+#: The Ks whose single-prompt speedup over greedy gets rows of its own (results.json's
+#: ``single_prompt``, results.md's first table); every spec's ``ks`` includes them.
+REPORTED_KS = (2, 4)
 #: Agreement with the full model the early-exit threshold is calibrated for.
 AGREEMENT = 0.95
 
@@ -102,6 +107,17 @@ def markdown(out: dict[str, Any]) -> list[str]:
                      f"{b.get('steps')} steps in {b.get('seconds') or 0:.0f} s; final loss "
                      f"{b.get('final_loss') or 0:.3f}, held out {(b.get('held_out_losses') or [0])[-1]:.3f} nats/byte")
     lines += [f"- loaded through the cache: {line}" for line in out.get("loads", [])]
+    single = out.get("single_prompt") or {}
+    if single:
+        lines += ["", "Single prompt (batch 1), greedy verification (exact), medians over the "
+                      "held-out prompts:", "",
+                  "| K | greedy tok/s | speculative tok/s | speculative / greedy | alpha |",
+                  "| ---: | ---: | ---: | ---: | ---: |"]
+        for k, row in single.items():
+            lines.append(f"| {k} | {row['greedy_tokens_per_second']:.0f} | "
+                         f"{row['speculative_tokens_per_second']:.0f} | {row['speedup']:.2f}x | "
+                         f"{row['alpha']:.3f} |")
+        lines.append("")
     lines += [f"- one step with a KV cache (median): target {steps['target']['1'] * 1e3:.2f} ms, draft "
               f"{steps['draft']['1'] * 1e3:.2f} ms ({out['step_cost_ratio']:.1f}x); target verifying "
               + ", ".join(f"{int(w) - 1}+1 tokens {s * 1e3:.2f} ms" for w, s in steps["target"].items()
@@ -343,6 +359,11 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             "tokens_per_full_round": statistics.fmean(full_rounds) if full_rounds else None,
             "predicted_tokens_per_round": decoding.predicted_tokens_per_round(alpha, k),
         }
+    single_prompt = {str(k): {
+        "greedy_tokens_per_second": tps["greedy"],
+        "speculative_tokens_per_second": per_k[str(k)]["tokens_per_second"],
+        "speedup": per_k[str(k)]["speedup"], "alpha": per_k[str(k)]["alpha"],
+    } for k in REPORTED_KS if str(k) in per_k}
     exits = [layer for r in runs["early exit"] for layer in r["exit_layers"][1:]]  # [0]: the prompt
     histogram = {str(layer): exits.count(layer) for layer in range(1, layers + 1)}
     self_best = max((name for name in tps if name.startswith("self-")), key=lambda m: tps[m])
@@ -357,7 +378,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         "config": {k: v for k, v in spec.items()}, "layers": layers, "build": build, "loads": loads,
         "build_wall_seconds": build_wall, "step_seconds": costs, "step_cost_ratio": cost_ratio,
         "tokens_per_second": tps, "spread": spread, "runs": runs, "alpha": alpha, "per_k": per_k,
-        "best_k": tuned_k, "tuning": {"prompts": len(tuning), "tokens_per_second": tuning_medians},
+        "single_prompt": single_prompt, "best_k": tuned_k, "tuning": {"prompts": len(tuning), "tokens_per_second": tuning_medians},
         "speedup": per_k[str(tuned_k)]["speedup"], "speedup_target": SPEEDUP_TARGET,
         "alpha_by_method": {name: decoding.acceptance_rate(rs) for name, rs in runs.items()
                             if name in lab and runs[name][0].get("accepted")},

@@ -50,6 +50,14 @@ def test_bench_quick_decoding(tmp_path: Path) -> None:
         assert row["predicted_tokens_per_round"] == pytest.approx(
             decoding.predicted_tokens_per_round(dec["alpha"], int(k)))
         assert 1 <= row["tokens_per_pass"] <= int(k) + 1
+    # the single-prompt rows at K = 2 and K = 4: greedy, speculative, their ratio, alpha
+    assert set(dec["single_prompt"]) == {"2", "4"}
+    for k, row in dec["single_prompt"].items():
+        assert row["greedy_tokens_per_second"] == dec["tokens_per_second"]["greedy"]
+        assert row["speculative_tokens_per_second"] == dec["tokens_per_second"][f"speculative k={k}"]
+        assert row["speedup"] == pytest.approx(
+            row["speculative_tokens_per_second"] / row["greedy_tokens_per_second"])
+        assert row["alpha"] == dec["per_k"][k]["alpha"]
     ee = dec["early_exit"]
     assert ee["calibration_agreement"] >= 0.95
     assert sum(ee["histogram"].values()) == 3 * 31  # 3 prompts, 32 tokens, the first is the prompt's
@@ -60,6 +68,7 @@ def test_bench_quick_decoding(tmp_path: Path) -> None:
     md = (out / "results.md").read_text()
     assert "## Decoding: speculative decoding and early exit" in md
     assert "| speculative k=4" in md and "Early exit at threshold" in md
+    assert "| K | greedy tok/s | speculative tok/s | speculative / greedy | alpha |" in md
     assert "| transformers greedy" in md and "transformers' best" in md
     assert "tokens/s, greedy speculative decoding (best K) / greedy" in proc.stdout
 

@@ -64,6 +64,7 @@ import shutil
 import sys
 import sysconfig
 import time
+import weakref
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -206,6 +207,9 @@ class KVCache:
                  dtype: torch.dtype, batch: int = 1) -> None:
         self.k = torch.zeros(layers, batch, heads, capacity, head_dim, dtype=dtype)
         self.v = torch.zeros_like(self.k)
+        # one view per layer, made once: selecting the layer on every step costs an operation
+        self.keys = list(self.k.unbind(0))
+        self.values = list(self.v.unbind(0))
         self.length = 0
 
     @property
@@ -241,6 +245,38 @@ def _cat_bias(*linears: Any) -> torch.Tensor | None:
                       for b, lin in zip(biases, linears, strict=True)])
 
 
+@dataclass
+class _At:
+    """Where one forward's inputs sit, computed once for all its layers: the rope factors
+    (``[T, qk]``, or ``[B, T, qk]`` per row), the attention mask (``None``: none or causal)
+    and, for ragged rows, their positions (Note [Ragged rows])."""
+
+    start: int | torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: torch.Tensor | None
+    causal: bool
+    pos: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+
+
+class _Prepared:
+    """What a :class:`Runner` builds from a model's weights, kept between decoding calls
+    (Note [Prepared once]): the fused layers, the rope tables and the mask table."""
+
+    def __init__(self, key: list[tuple[Any, int, int]], layers: list[_Layer]) -> None:
+        self.key = key
+        self.layers = layers
+        self.cos = self.sin = torch.empty(0)      # [positions, head_dim]
+        self.cosz = self.sinz = torch.empty(0)    # [positions, (heads + kv_heads) * head_dim]
+        self.tri = torch.empty(0, 0)              # Note [One mask per forward]
+        self.capacity = 0
+
+
+#: model -> its prepared weights (dropped with the model).
+_PREPARED: weakref.WeakKeyDictionary[Any, _Prepared] = weakref.WeakKeyDictionary()
+
+
 class Runner:
     """The Llama forward of a ``LlamaForCausalLM``, written out over its weights.
 
@@ -251,7 +287,7 @@ class Runner:
     are fused into one matmul each. ``depth`` keeps only the first layers (the
     self-speculative draft). What it cannot run raises ``ValueError`` naming the option.
     Build one per decoding call: it reads the current weights, so edits to the model in
-    a notebook are seen.
+    a notebook are seen (Note [Prepared once]).
     """
 
     def __init__(self, model: Any, depth: int | None = None) -> None:
@@ -280,21 +316,12 @@ class Runner:
         self.dtype = self.embed.dtype
         self.q_size = self.heads * self.head_dim
         self.kv_size = self.kv_heads * self.head_dim
+        self.qk_size = self.q_size + self.kv_size
+        self.qkv_size = self.qk_size + self.kv_size
+        self.gqa = self.kv_heads != self.heads
         act = getattr(cfg, "hidden_act", "silu")
         self.act: Callable[[torch.Tensor], torch.Tensor] = (
             F.silu if act == "silu" else layers[0].mlp.act_fn if layers else F.silu)
-        self.layers = []
-        for layer in layers[:self.depth]:
-            attn, mlp = layer.self_attn, layer.mlp
-            self.layers.append(_Layer(
-                ln1=layer.input_layernorm.weight,
-                wqkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-                bqkv=_cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
-                wo=attn.o_proj.weight, bo=attn.o_proj.bias,
-                ln2=layer.post_attention_layernorm.weight,
-                wgu=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-                bgu=_cat_bias(mlp.gate_proj, mlp.up_proj),
-                wdown=mlp.down_proj.weight, bdown=mlp.down_proj.bias))
         self._rotary = inner.rotary_emb
         self.rope_type = str(getattr(self._rotary, "rope_type", "default"))
         self._rope_limit: int | None = None
@@ -304,10 +331,61 @@ class Runner:
                 cfg.max_position_embeddings if self.rope_type == "dynamic"
                 else params.get("original_max_position_embeddings")
                 or cfg.max_position_embeddings)
-        self._cos = self._sin = torch.empty(0)
+        self._prep = self._prepare(model, layers)
+        self.layers = self._prep.layers[:self.depth]
+        self.inter = int(self.layers[0].wdown.shape[1]) if self.layers else 0
+
+    def _prepare(self, model: Any, layers: list[Any]) -> _Prepared:
+        # Note [Prepared once]
+        # Fusing the weights (and the rope and mask tables) costs about half a target step
+        # per decoding call: a fixed price per call, paid by greedy and speculative alike.
+        # Outside autograd the result is kept per model and reused while every tensor it
+        # was built from is the same object with the same version counter, storage and
+        # dtype: an in-place edit (``with torch.no_grad(): w.mul_(2)``,
+        # ``load_state_dict``), a new Parameter, ``model.to(dtype)`` all rebuild it.
+        # Training (grad enabled) always builds afresh, so that gradients reach the
+        # model's own parameters.
+        sources: list[torch.Tensor] = [self.embed, self.norm, self.head]
+        if self.head_bias is not None:
+            sources.append(self.head_bias)
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                        mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+                sources.append(lin.weight)
+                if lin.bias is not None:
+                    sources.append(lin.bias)
+            sources += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        inv = getattr(self._rotary, "inv_freq", None)
+        if isinstance(inv, torch.Tensor):
+            sources.append(inv)
+        key = [(t, t._version, t.data_ptr(), t.dtype) for t in sources]
+        caching = not torch.is_grad_enabled()
+        if caching:
+            kept = _PREPARED.get(model)
+            if kept is not None and len(kept.key) == len(key) and all(
+                    a[0] is b[0] and a[1:] == b[1:] for a, b in zip(kept.key, key, strict=True)):
+                return kept
+        built = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            built.append(_Layer(
+                ln1=layer.input_layernorm.weight,
+                wqkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                bqkv=_cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
+                wo=attn.o_proj.weight, bo=attn.o_proj.bias,
+                ln2=layer.post_attention_layernorm.weight,
+                wgu=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                bgu=_cat_bias(mlp.gate_proj, mlp.up_proj),
+                wdown=mlp.down_proj.weight, bdown=mlp.down_proj.bias))
+        prep = _Prepared(key, built)
+        if caching:
+            _PREPARED[model] = prep
+        return prep
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
         self._tables(capacity)
+        self._prep.capacity = max(self._prep.capacity, capacity)
         return KVCache(self.depth, self.kv_heads, self.head_dim, capacity, self.dtype, batch)
 
     def check_length(self, positions: int) -> None:
@@ -331,9 +409,19 @@ class Runner:
                 f"original_max_position_embeddings), and this run needs {positions}: the "
                 "lean forward runs it only up to that length")
 
+    @property
+    def _cos(self) -> torch.Tensor:
+        return self._prep.cos
+
+    @property
+    def _sin(self) -> torch.Tensor:
+        return self._prep.sin
+
     def _tables(self, length: int) -> None:
-        if self._cos.shape[0] >= length:
+        prep = self._prep
+        if prep.cos.shape[0] >= length:
             return
+        length = max(length, 2 * prep.cos.shape[0])  # grow geometrically
         rot = self._rotary
         inv = getattr(rot, "original_inv_freq", None) if self._rope_limit is not None else None
         inv = getattr(rot, "inv_freq", None) if inv is None else inv
@@ -345,7 +433,56 @@ class Runner:
             emb = torch.cat((freqs, freqs), dim=-1)
             scale = getattr(rot, "attention_scaling", 1.0)
             cos, sin = (emb.cos() * scale).to(self.dtype), (emb.sin() * scale).to(self.dtype)
-        self._cos, self._sin = cos[0], sin[0]  # [length, head_dim]
+        prep.cos, prep.sin = cos[0], sin[0]  # [length, head_dim]
+        # the factors for every head of q and k side by side, [length, qk_size]; sin with
+        # the sign of rotate_half folded in (Note [Rope with one roll])
+        tiles = self.heads + self.kv_heads
+        half = self.head_dim // 2
+        sign = torch.ones(self.head_dim, dtype=self.dtype)
+        sign[:half] = -1
+        prep.cosz, prep.sinz = prep.cos.repeat(1, tiles), (prep.sin * sign).repeat(1, tiles)
+
+    def _mask(self, start: int, t: int) -> torch.Tensor:
+        """The additive mask of *t* queries at ``start..start+t`` over keys ``0..start+t``:
+        cut from one table (Note [One mask per forward])."""
+        prep = self._prep
+        rows, width = prep.tri.shape
+        if t > rows or start > width - rows:
+            rows = max(t, rows, 16)
+            width = rows + max(start, prep.capacity, width - rows)
+            allowed = torch.ones(rows, width, dtype=torch.bool).tril(width - rows)
+            prep.tri = torch.zeros(rows, width, dtype=self.dtype).masked_fill_(
+                ~allowed, float("-inf"))
+        # contiguous: SDPA copies a strided mask on every call (once here serves 8 layers)
+        return prep.tri[:t, width - rows - start:width - rows + t].contiguous()
+
+    def at(self, start: int | torch.Tensor, t: int) -> _At:
+        """Positions ``start..start+t`` (one start for every row, or a ``LongTensor[B]``,
+        one per row): what every layer of one forward needs of them."""
+        # Note [One mask per forward]
+        # A layer used to build its causal mask (and slice its rope factors) itself: eight
+        # times per target pass, and a boolean mask, which SDPA converts to an additive one
+        # on every call (twice the time of an additive mask for a 5-token verification).
+        # Now one forward computes them once (this object) and the layers share them. For a
+        # single sequence the additive mask of queries start..start+t is a view of a table
+        # ``tri`` (R rows, W columns, ``tri[j, c] = 0`` where ``c <= W - R + j``, else
+        # -inf): its rows :t and columns ``W - R - start .. W - R + t`` are exactly
+        # "key c is visible to query j iff c <= start + j", one copy and no arithmetic. A
+        # single token needs no mask, a prompt at position 0 is SDPA's ``is_causal``.
+        self._tables((int(start) if isinstance(start, int) else int(start.max())) + t)
+        if isinstance(start, int):
+            cos, sin = self._prep.cosz[start:start + t], self._prep.sinz[start:start + t]
+            if t == 1:
+                return _At(start, cos, sin, None, False)
+            if start == 0:
+                return _At(start, cos, sin, None, True)
+            return _At(start, cos, sin, self._mask(start, t), False)
+        pos = start[:, None] + torch.arange(t)  # [B, T]
+        span = int(pos.max()) + 1
+        hidden = torch.arange(span)[None, None, :] > pos[:, :, None]  # [B, T, span]
+        mask = torch.zeros(hidden.shape, dtype=self.dtype).masked_fill_(hidden, float("-inf"))
+        return _At(start, self._prep.cosz[pos], self._prep.sinz[pos], mask.unsqueeze(1), False,
+                   pos, torch.arange(start.shape[0])[:, None])
 
     # -- pieces -----------------------------------------------------------------------
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -357,15 +494,6 @@ class Runner:
         half = self.head_dim // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
-
-    def _rope_at(self, starts: int | torch.Tensor, t: int,
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for positions ``start..start+t`` (one start for every row), or per
-        row (``starts`` a ``LongTensor[B]``): ``[T, hd]`` or ``[B, 1, T, hd]``."""
-        if isinstance(starts, int):
-            return self._cos[starts:starts + t], self._sin[starts:starts + t]
-        pos = starts[:, None] + torch.arange(t)
-        return self._cos[pos].unsqueeze(1), self._sin[pos].unsqueeze(1)
 
     def _qkv(self, w: _Layer, x: torch.Tensor,
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -380,82 +508,108 @@ class Runner:
                 k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2),
                 v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2))
 
+    def _roped(self, w: _Layer, x: torch.Tensor, at: _At,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k (rotated) and v of layer weights *w* for ``x`` ``[B, T, d]``: ``[B, H, T, hd]``,
+        ``[B, KV, T, hd]`` x2."""
+        # Note [Rope with one roll]
+        # transformers rotates q and k each as q*cos + rotate_half(q)*sin, rotate_half(q)
+        # being [-q2, q1] per head: a slice, a negation, a concatenation and three
+        # products, twice per layer. Here q and k are rotated together, as the first
+        # qk_size columns of the fused projection: rotate_half of every head is a roll by
+        # head_dim/2 within the head with the first half negated, and the negation is
+        # folded into the sin table (``sinz``: -sin on each head's first half), so the rope
+        # is one roll, one product and one fused multiply-add against tables tiled over the
+        # heads. Negation is exact; the fused multiply-add rounds once where transformers
+        # rounds twice (the tests compare logits at 1e-4).
+        b, t, _ = x.shape
+        hd = self.head_dim
+        z = F.linear(F.rms_norm(x, (self.dim,), w.ln1, self.eps), w.wqkv, w.bqkv)
+        qk = z[..., :self.qk_size]
+        rolled = torch.roll(qk.view(b, t, self.heads + self.kv_heads, hd), hd // 2, -1)
+        qk = torch.addcmul(qk * at.cos, rolled.view(b, t, self.qk_size), at.sin)
+        return (qk[..., :self.q_size].view(b, t, self.heads, hd).transpose(1, 2),
+                qk[..., self.q_size:].view(b, t, self.kv_heads, hd).transpose(1, 2),
+                z[..., self.qk_size:self.qkv_size].view(b, t, self.kv_heads, hd).transpose(1, 2))
+
+    def _store(self, i: int, k: torch.Tensor, v: torch.Tensor, at: _At, cache: KVCache,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write layer *i*'s keys and values at *at*; returns the cached keys and values
+        attention reads (up to the last position written)."""
+        b, _, t, _ = k.shape
+        keys, values = cache.keys[i], cache.values[i]
+        if keys.shape[0] != b:
+            keys, values = keys[:b], values[:b]
+        if at.pos is None:
+            start = int(at.start)
+            keys.narrow(2, start, t).copy_(k)
+            values.narrow(2, start, t).copy_(v)
+            return keys.narrow(2, 0, start + t), values.narrow(2, 0, start + t)
+        # Note [Ragged rows]
+        # Rows of a batch sit at their own positions: row r's T inputs are positions
+        # start[r]..start[r]+T, written to its cache there, and attend to its
+        # positions up to their own. A row with fewer real inputs than T is padded;
+        # the padding writes keys past the row's length, which nothing attends to
+        # before a real input overwrites them (positions are only ever read below
+        # the row's length or at the query's own position).
+        keys[at.rows, :, at.pos] = k.transpose(1, 2)
+        values[at.rows, :, at.pos] = v.transpose(1, 2)
+        span = at.mask.shape[-1] if at.mask is not None else int(at.pos.max()) + 1
+        return keys[:, :, :span], values[:, :, :span]
+
     def layer(self, i: int, x: torch.Tensor, start: int | torch.Tensor,
-              cache: KVCache | None) -> torch.Tensor:
+              cache: KVCache | None, at: _At | None = None) -> torch.Tensor:
         """Layer *i* on hidden states ``x`` ``[B, T, d]`` at positions ``start..start+T``
-        (*start* an ``int`` for every row, or a ``LongTensor[B]``, one per row).
+        (*start* an ``int`` for every row, or a ``LongTensor[B]``, one per row; *at*: what
+        :meth:`at` computed of them, shared by the layers of one forward).
 
         With a cache, writes this layer's keys and values there and attends to everything
         before them in the row (the caller keeps the lengths).
         """
         w = self.layers[i]
         b, t, _ = x.shape
-        q, k, v = self._qkv(w, x)  # [B, H, T, hd], [B, KV, T, hd] x2
-        cos, sin = self._rope_at(start, t)
-        q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-        gqa = self.kv_heads != self.heads
-        if cache is None:
-            attn = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=gqa)
-        elif isinstance(start, int):
-            cache.k[i, :b, :, start:start + t] = k
-            cache.v[i, :b, :, start:start + t] = v
-            keys, values = cache.k[i, :b, :, :start + t], cache.v[i, :b, :, :start + t]
-            if t == 1:
-                attn = F.scaled_dot_product_attention(q, keys, values, enable_gqa=gqa)
-            elif start == 0:
-                attn = F.scaled_dot_product_attention(q, keys, values, is_causal=True,
-                                                      enable_gqa=gqa)
-            else:
-                mask = torch.ones(t, start + t, dtype=torch.bool).tril(start)
-                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                                      enable_gqa=gqa)
+        if cache is None:  # training and calibration: a whole sequence from position 0
+            q, k, v = self._qkv(w, x)  # [B, H, T, hd], [B, KV, T, hd] x2
+            cos, sin = self._prep.cos[:t], self._prep.sin[:t]
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1,
+                                                  enable_gqa=self.gqa)
         else:
-            # Note [Ragged rows]
-            # Rows of a batch sit at their own positions: row r's T inputs are positions
-            # start[r]..start[r]+T, written to its cache there, and attend to its
-            # positions up to their own. A row with fewer real inputs than T is padded;
-            # the padding writes keys past the row's length, which nothing attends to
-            # before a real input overwrites them (positions are only ever read below
-            # the row's length or at the query's own position).
-            pos = start[:, None] + torch.arange(t)  # [B, T]
-            rows = torch.arange(b)[:, None]
-            cache.k[i][rows, :, pos] = k.transpose(1, 2)
-            cache.v[i][rows, :, pos] = v.transpose(1, 2)
-            span = int(pos.max()) + 1
-            keys, values = cache.k[i, :b, :, :span], cache.v[i, :b, :, :span]
-            mask = (torch.arange(span)[None, None, :] <= pos[:, :, None]).unsqueeze(1)
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                                  enable_gqa=gqa)
+            if at is None:
+                at = self.at(start, t)
+            q, k, v = self._roped(w, x, at)
+            keys, values = self._store(i, k, v, at, cache)
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=at.mask,
+                                                  is_causal=at.causal, enable_gqa=self.gqa)
         x = x + F.linear(attn.transpose(1, 2).reshape(b, t, self.q_size), w.wo, w.bo)
         h = F.rms_norm(x, (self.dim,), w.ln2, self.eps)
-        gate, up = F.linear(h, w.wgu, w.bgu).chunk(2, dim=-1)
-        return x + F.linear(self.act(gate) * up, w.wdown, w.bdown)
+        gu = F.linear(h, w.wgu, w.bgu)
+        return x + F.linear(self.act(gu[..., :self.inter]) * gu[..., self.inter:],
+                            w.wdown, w.bdown)
 
     def fill_kv(self, i: int, x: torch.Tensor, start: int | torch.Tensor,
-                cache: KVCache) -> None:
+                cache: KVCache, at: _At | None = None) -> None:
         """Keys and values of layer *i* computed from ``x`` (the state of an earlier exit):
         what a token that left early leaves behind for later tokens to attend to."""
-        b, t, _ = x.shape
-        _, k, v = self._qkv(self.layers[i], x)  # what layer() computes from this state
-        cos, sin = self._rope_at(start, t)
-        k = self._rope(k, cos, sin)
-        if isinstance(start, int):
-            cache.k[i, :b, :, start:start + t] = k
-            cache.v[i, :b, :, start:start + t] = v
-        else:
-            pos = start[:, None] + torch.arange(t)
-            rows = torch.arange(b)[:, None]
-            cache.k[i][rows, :, pos] = k.transpose(1, 2)
-            cache.v[i][rows, :, pos] = v.transpose(1, 2)
+        if at is None:
+            at = self.at(start, x.shape[1])
+        _, k, v = self._roped(self.layers[i], x, at)  # what layer() computes from this state
+        self._store(i, k, v, at, cache)
+
+    def embed_tokens(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Embeddings ``[T, d]`` of *tokens* (one token: a view, no index tensor)."""
+        if len(tokens) == 1:
+            return self.embed[tokens[0], None]
+        return F.embedding(torch.tensor(tokens, dtype=torch.long), self.embed)
 
     def forward(self, tokens: Sequence[int], cache: KVCache) -> torch.Tensor:
         """Logits ``[T, vocab]`` for *tokens* appended at ``cache.length`` (all layers,
         one sequence)."""
         start = cache.length
-        self._tables(start + len(tokens))
-        x = self.embed[torch.tensor(tokens, dtype=torch.long)].unsqueeze(0)
+        x = self.embed_tokens(tokens).unsqueeze(0)
+        at = self.at(start, len(tokens))
         for i in range(self.depth):
-            x = self.layer(i, x, start, cache)
+            x = self.layer(i, x, start, cache, at)
         cache.length = start + len(tokens)
         return self.logits(x)[0]
 
@@ -466,20 +620,20 @@ class Runner:
         first = starts[0]
         start: int | torch.Tensor = first if len(starts) == 1 or all(
             s == first for s in starts) else torch.tensor(starts, dtype=torch.long)
+        at = self.at(start, x.shape[1])
         for i in range(lo, self.depth if hi is None else hi):
-            x = self.layer(i, x, start, cache)
+            x = self.layer(i, x, start, cache, at)
         return x
 
     def embed_rows(self, chunks: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[int]]:
         """Embeddings ``[B, T, d]`` of ragged token lists, each padded with its last token
         to the longest, and each row's number of real inputs."""
         if len(chunks) == 1:
-            return self.embed[torch.tensor(chunks[0], dtype=torch.long)].unsqueeze(0), \
-                [len(chunks[0])]
+            return self.embed_tokens(chunks[0]).unsqueeze(0), [len(chunks[0])]
         widths = [len(c) for c in chunks]
         t = max(widths)
         padded = [list(c) + [c[-1] if c else 0] * (t - len(c)) for c in chunks]
-        return self.embed[torch.tensor(padded, dtype=torch.long)], widths
+        return F.embedding(torch.tensor(padded, dtype=torch.long), self.embed), widths
 
     def hidden_states(self, ids: torch.Tensor) -> list[torch.Tensor]:
         """The output of every layer for a batch ``ids`` ``[B, T]`` (no cache): training and
