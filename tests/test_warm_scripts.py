@@ -475,6 +475,23 @@ def test_pytest_runs_warm_with_plain_outcomes(lab: dict[str, Any]) -> None:
     assert "1 failed, 2 passed, 1 skipped, 1 error" in summary
 
 
+#: The project's own fast tests that need no daemon of their own: run both ways, their outcomes
+#: must be the same, test by test.
+OWN_FAST_TESTS = ("tests/test_display.py", "tests/test_protocol.py", "tests/test_layout.py",
+                  "tests/test_run_start.py")
+
+
+def test_the_projects_own_fast_tests_run_warm_with_plain_outcomes(lab: dict[str, Any]) -> None:
+    root = Path(__file__).resolve().parents[1]
+    args = ["-m", "pytest", "-p", "no:cacheprovider", "-rA", "-q",
+            *OWN_FAST_TESTS]
+    plain = run(PLAIN, " ".join(args), lab["env"], root)
+    warm = run([*RUN, "-v"], " ".join(args), lab["env"], root)
+    assert "plain Python" not in warm.stderr, warm.stderr  # -v: says why a run was plain
+    assert _summary(warm) == _summary(plain), (plain.stdout[-3000:], warm.stdout[-3000:])
+    assert plain.returncode == 0 and re.search(r"\b\d{2,} passed", plain.stdout), plain.stdout
+
+
 def test_the_zygote_learns_what_scripts_import(lab: dict[str, Any]) -> None:
     """A module a warm run imported (``wave``, which nothing here preloads) is learned at its
     exit; the zygote that replaces this one once forks pause (Note [A renewal waits for a
