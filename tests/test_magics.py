@@ -15,7 +15,12 @@ from traitlets.config import Config
 
 import overmind_lab
 from overmind_lab import Client, OvermindWarning
-from overmind_lab._common.display import StatusReport, describe_load, format_seconds
+from overmind_lab._common.display import (
+    ENTRY_HEADERS,
+    StatusReport,
+    describe_load,
+    format_seconds,
+)
 
 LOAD = "unet = UNet2DConditionModel.from_pretrained(p)"
 WARM = re.compile(
@@ -250,7 +255,7 @@ def test_status_is_html_in_lab_and_text_in_a_terminal(
     assert text_lines[2].split()[:2] == ["name", "size"]
     assert text_lines[4].startswith("UNet2DConditionModel.from_pretrained(")
     row = report.rows()[0]
-    assert row[3] == "1"  # hits
+    assert row[ENTRY_HEADERS.index("hits")] == "1"
     assert all(cell in text_lines[4] for cell in row[:-1])
     with pytest.raises(UsageError):
         shell.run_line_magic("overmind_status", "--nope")

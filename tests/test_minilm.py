@@ -70,5 +70,7 @@ def test_minilm_loads_warm_through_automodel_with_the_same_embeddings(
     assert len(plain["embeddings"][0]) == 384
     [model_entry] = [e for e in daemon.entries() if e["name"].startswith("AutoModel.")]
     assert model_entry["hits"] == 1
-    # 22.7M float32 parameters, copied or referenced in the safetensors file by hard link
-    assert model_entry["bytes"] + model_entry["shared_bytes"] >= 22_000_000 * 4
+    # 22.7M float32 parameters, copied or held in the package's own safetensors file (counted
+    # apart: Note [What an entry costs])
+    held = model_entry.get("held_bytes", 0)
+    assert model_entry["bytes"] + model_entry["shared_bytes"] + held >= 22_000_000 * 4
