@@ -438,3 +438,50 @@ def test_dropping_a_loaded_object_unmaps_its_segment(daemon: Client) -> None:
     del cold, warm, again
     gc.collect()
     assert _mapped_segments() == before  # memory goes back when the tensors go
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+_during: dict[str, int] = {}
+_doomed: list[_Cycle] = []
+
+
+def load_watching_the_collector(name: str) -> dict[str, torch.Tensor]:
+    import gc
+
+    _during[name] = gc.get_freeze_count()
+    _doomed.clear()  # a cycle made before the load becomes garbage during it
+    return {"w": torch.arange(6)}
+
+
+def test_the_loader_runs_with_older_objects_frozen_and_gives_them_back(daemon: Client) -> None:
+    """Note [The collector's schedule]: a collection during a cold load walks the load's own
+    objects; after it, the older ones are collected as before (none left frozen)."""
+    import gc
+    import weakref
+
+    assert gc.get_freeze_count() == 0
+    _doomed.append(_Cycle())
+    gone = weakref.ref(_doomed[0])
+    overmind_lab.load(load_watching_the_collector, "thawed")
+    assert _during["thawed"] > 1000  # the interpreter's and pytest's objects, at least
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert gone() is None  # the cycle dropped while frozen was collected after all
+
+
+def test_a_heap_frozen_by_its_owner_stays_frozen(daemon: Client) -> None:
+    """A warm kernel's heap is frozen by its zygote (copy-on-write): a load leaves it so."""
+    import gc
+
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        overmind_lab.load(load_watching_the_collector, "kept")
+        assert _during["kept"] == frozen
+        assert gc.get_freeze_count() >= frozen
+    finally:
+        gc.unfreeze()

@@ -220,6 +220,33 @@ def _emit(event: LoadEvent) -> None:
         events.append(event)
 
 
+# Note [The collector's schedule]: a fresh process whose first statement is ``import overmind_lab``
+# (``%load_ext``) ran torch's and diffusers' imports (410 k objects the collector tracks) with a
+# few thousand objects of ours more, and the collector's full collections fell elsewhere: one
+# landed in the first load, in the model's ``__init__`` (230 ms against 50: ``gc.callbacks``
+# showed 170 ms in one full collection of the imported modules' objects, which a plain process
+# had paid during its imports). Whatever the order, a cold load is where a full collection of a
+# large heap costs the user most. So the loader runs with the objects that were there before it
+# frozen (``gc.freeze``: lists spliced, nothing walked): a collection during the load walks the
+# load's own objects only; after it, ``gc.unfreeze`` gives the old ones back to the oldest
+# generation, so the garbage among them is collected as it would have been (later, not never).
+# A process that froze its own heap (a warm kernel: the zygote's ``gc.freeze``, or the user's)
+# is left as it is: its frozen objects must stay out of every collection (copy-on-write), and
+# the walk is short there anyway. ``tests/test_load.py`` checks both.
+@contextlib.contextmanager
+def _young_only() -> Iterator[None]:
+    import gc
+
+    if gc.get_freeze_count() or not gc.isenabled():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def _plain(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
     _state.depth += 1
     try:
@@ -393,7 +420,7 @@ def _load_with(session: Session, fn: Callable[..., T], args: tuple[Any, ...],
     counter_before = hook_counter()
     # Capture and Draws innermost: they see the loader, not what the recorders do at their exit.
     with manifest.Recorder() as watched, effects.Watch() as done, \
-            observe.Capture() as capture, draws.Draws() as drew:
+            observe.Capture() as capture, draws.Draws() as drew, _young_only():
         result = _plain(fn, args, kwargs)
     cold = time.perf_counter() - start
     taken = (counter_before, hook_counter())  # Note [Hook ids] in ``pickling``
