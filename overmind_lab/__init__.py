@@ -77,17 +77,25 @@ _LAZY = {
 }
 
 
+#: The lazy modules the start-up thread imports itself (``prewarm._run``: ``load`` and with it
+#: ``client``).
+_THREAD_IMPORTS = ("_loading.load", "_loading.client")
+
+
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'overmind_lab' has no attribute {name!r}")
     import importlib
 
-    if module.startswith("_loading."):
+    if module in _THREAD_IMPORTS:
         from overmind_lab._loading import prewarm
 
         # Waiting for the thread costs nothing the import would not: it does this import, and the
-        # two never compete for the GIL (Note [The first call's work, earlier]).
+        # two never compete for the GIL (Note [The first call's work, earlier]). A name of a module
+        # it does not import (``patch_all``, ``load_ipython_extension``) waits for nothing: in a
+        # notebook, ``%load_ext`` and ``%overmind_load`` come before the imports of torch and
+        # diffusers, and the thread's 25-70 ms of imports then overlap those, not the cell.
         prewarm.wait()
     value = getattr(importlib.import_module(f"overmind_lab.{module}"), name)
     globals()[name] = value

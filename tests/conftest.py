@@ -26,6 +26,9 @@ os.environ.setdefault("OVERMIND_LAB_ZYGOTE_IDLE", "0")
 # suite runs beside CPU burners, where a healthy daemon may be slower; a test that a silent daemon
 # is given up on sets its own deadline (tests/test_trust.py).
 os.environ.setdefault("OVERMIND_LAB_ANSWER_TIMEOUT", "10")
+# Note [A daemon started ahead]: ``patch_all()`` starts the user's daemon in the background; a
+# test that patches without a daemon of its own would leave one running. Tests of it turn it on.
+os.environ.setdefault("OVERMIND_LAB_START_AHEAD", "0")
 
 #: Every socket path a test used: the session-end check looks for daemons still serving one.
 _SOCKETS: list[Path] = []

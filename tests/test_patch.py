@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import sys
 import warnings
 from collections.abc import Iterator
@@ -129,6 +130,7 @@ print(json.dumps({
 
 PATCH_AFTER_IMPORT = """
 import json
+import os
 from diffusers import UNet2DConditionModel, StableDiffusionPipeline, DDIMScheduler
 from transformers import AutoModel, AutoTokenizer, CLIPTextModel
 import overmind_lab
@@ -287,3 +289,83 @@ def test_a_custom_pipeline_from_a_local_directory_loads_warm_in_a_new_process(
     assert second["outcomes"] == ["warm"]
     assert first["class"] == second["class"] == "diffusers_modules.local.my_pipeline.MyPipeline"
     assert first["weights"] == second["weights"]
+
+
+AHEAD_CHILD = """
+import json, os, overmind_lab
+from overmind_lab import Client
+from overmind_lab._loading.patch import wait_ahead
+before = Client().status()["running"]
+overmind_lab.patch_all()
+wait_ahead(120)
+print(json.dumps({"before": before, "after": Client().status()["running"],
+                  "socket": os.path.exists(os.environ["OVERMIND_LAB_SOCKET"])}))
+"""
+
+
+def test_patch_all_starts_the_daemon_ahead(sock_path: Path) -> None:
+    """Note [A daemon started ahead]: the first load of a login finds the daemon listening."""
+    got = last_json(run_py(AHEAD_CHILD, env={"OVERMIND_LAB_START_AHEAD": "1"}))
+    assert got == {"before": False, "after": True, "socket": True}
+
+
+def test_a_dead_daemon_replaced_ahead_is_still_told(sock_path: Path) -> None:
+    """A stale socket: the daemon is started ahead over it, and the first load still says that
+    the daemon had died (its entries in memory are gone)."""
+    import socket as _socket
+
+    stale = _socket.socket(_socket.AF_UNIX)
+    stale.bind(str(sock_path))
+    stale.close()
+    proc = run_py(AHEAD_CHILD + """
+import warnings
+from tests.loaders import scaled_load
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    overmind_lab.load(scaled_load, 3)
+print(json.dumps([str(w.message) for w in caught]))
+""", env={"OVERMIND_LAB_START_AHEAD": "1", "PYTHONPATH": str(Path(__file__).parent.parent)})
+    lines = proc.stdout.strip().splitlines()
+    assert json.loads(lines[-2]) == {"before": False, "after": True, "socket": True}
+    assert any("had died" in w for w in json.loads(lines[-1])), lines[-1]
+
+
+def test_a_forked_child_lets_go_of_the_start_lock(tmp_path: Path) -> None:
+    """A fork while the thread holds the start lock: the child's copy is closed at once, so the
+    lock is free when the parent lets go of it (else every start waits for the child)."""
+    import fcntl
+
+    from overmind_lab._loading import client
+
+    fd = os.open(tmp_path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    client._start_locks.add(fd)
+    try:
+        checked_r, checked_w = os.pipe()  # the child: "my copy is closed" (or not)
+        done_r, done_w = os.pipe()  # the parent: "done", the child may exit
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            os.close(done_w)
+            try:
+                os.fstat(fd)
+                os.write(checked_w, b"n")  # still open
+            except OSError:
+                os.write(checked_w, b"y")
+            os.read(done_r, 1)  # lives until the parent is done
+            os._exit(0)
+        os.close(checked_w)
+        os.close(done_r)
+        try:
+            assert os.read(checked_r, 1) == b"y"
+            client._start_locks.discard(fd)
+            os.close(fd)
+            other = os.open(tmp_path / "lock", os.O_RDWR)
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free although the child lives
+            os.close(other)
+        finally:
+            os.close(done_w)
+            os.close(checked_r)
+            _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        client._start_locks.discard(fd)

@@ -32,6 +32,7 @@ in ``pickling.py``).
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import threading
 import types
@@ -124,6 +125,35 @@ def patch_all(*, diffusers: bool = True, transformers: bool = True,
         for root, methods in _loaded_roots():
             for cls in _subclasses(root):
                 _patch_class(cls, methods)
+    start_ahead()
+
+
+#: Note [A daemon started ahead] (``client``): ``0`` turns it off (the test suite, whose tests
+#: stop what they start).
+AHEAD_ENV = "OVERMIND_LAB_START_AHEAD"
+_ahead: list[threading.Thread] = []
+
+
+def start_ahead() -> None:
+    """Reach (or start) the user's daemon in a thread (Note [A daemon started ahead] in
+    ``client``); once per process."""
+    if _ahead or os.environ.get(AHEAD_ENV, "1") == "0":
+        return
+
+    def run() -> None:
+        from overmind_lab._loading.client import reach_ahead
+
+        reach_ahead()
+
+    thread = threading.Thread(target=run, name="overmind-lab-daemon-ahead", daemon=True)
+    _ahead.append(thread)
+    thread.start()
+
+
+def wait_ahead(timeout: float | None = None) -> None:
+    """Wait for the thread of ``start_ahead`` (tests)."""
+    for thread in _ahead:
+        thread.join(timeout)
 
 
 def unpatch_all() -> None:
