@@ -88,6 +88,13 @@ EXTRA_CASES = {
     "warm-scripts": "python SCRIPT vs overmind-lab run SCRIPT (forked from the zygote), start "
                     "to exit: a diffusers script loading the UNet, a transformers script loading "
                     "the Llama, -m pytest, print('hi'); and the fallback where no zygote serves",
+    "restart-direct": "kernel restarts driven by jupyter_client's KernelManager directly (no "
+                      "server: nbclient, papermill, VS Code): restart_kernel() -> UNet load "
+                      "cell done, plain vs warm kernel vs the warm spec's launcher argv",
+    "orders": "what a user waits for in the order they type it, fresh processes, each over plain: "
+              "the UNet fp16 in notebook order (overmind_lab first) and script order (torch "
+              "first), first call vs repeated, first load with the daemon running, with none "
+              "(a login), after kill -9, a warm load right after the first; the cache's disk",
     "decoding": "speculative decoding and early exit on the decoding example's trained pair: "
                 "tokens per second per method (trains the pair once under --models-dir)",
 }
@@ -105,6 +112,8 @@ KERNEL_CASE = "pipeline-fp32-as-fp16"
 WARM_KERNEL_MODEL = "fp16"
 #: The pipeline whose UNet (fp16 stored, loaded fp16) the warm-scripts case's diffusers script loads.
 WARM_SCRIPTS_MODEL = "fp16"
+#: The pipeline whose UNet (fp16 stored, loaded fp16) the orders case loads.
+ORDERS_MODEL = "fp16"
 
 
 def select(only: list[str] | None) -> list[str]:
@@ -152,6 +161,10 @@ def needed_models(names: list[str]) -> list[str]:
         needed |= {WARM_KERNEL_MODEL, "llama"}
     if "warm-scripts" in names:
         needed |= {WARM_SCRIPTS_MODEL, "llama"}
+    if "restart-direct" in names:  # the warm-kernel case's pipeline, its UNet
+        needed.add(WARM_KERNEL_MODEL)
+    if "orders" in names:
+        needed.add(ORDERS_MODEL)
     needed |= {_DERIVED_FROM[k] for k in needed if k in _DERIVED_FROM}
     return sorted(needed, key=lambda k: (k in _DERIVED_FROM, k))
 

@@ -265,22 +265,11 @@ class _Lab:
         self.kernels.remove(kernel)
 
     def zygote(self, not_pid: int | None = None) -> dict[str, Any]:
-        """The zygote's status once one serves (and is not ``not_pid``)."""
-        from overmind_lab._jupyter_server.kernelspec import zygotes
-
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            for z in zygotes(self.dir):
-                if z["pid"] != not_pid and not z["retiring"]:
-                    return z
-            time.sleep(0.5)
-        raise RuntimeError(f"no zygote became ready in {self.dir}; see "
-                           f"{self.log_dir / 'warm-kernel-server.log'}")
+        return serving_zygote(self.dir, self.timeout, self.log_dir / "warm-kernel-server.log",
+                              not_pid)
 
     def zygote_pids(self) -> set[int]:
-        from overmind_lab._jupyter_server.kernelspec import zygotes
-
-        return {int(z["pid"]) for z in zygotes(self.dir)}
+        return zygote_pids(self.dir)
 
     def close(self) -> None:
         for k in list(self.kernels):
@@ -290,13 +279,33 @@ class _Lab:
             (self.log_dir / "warm-kernel-timeline.jsonl").write_bytes(self.timeline.read_bytes())
         # zygotes and forked kernels name the directory in their command line, plain
         # kernels their connection file in its runtime/
-        for pid in _marked(str(self.dir)):
+        for pid in marked(str(self.dir)):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
         self.daemon.stop()
 
 
-def _marked(marker: str) -> list[int]:
+def serving_zygote(folder: Path, timeout: float, log: Path,
+                   not_pid: int | None = None) -> dict[str, Any]:
+    """The status of the zygote serving in ``folder`` once one does (and is not ``not_pid``)."""
+    from overmind_lab._jupyter_server.kernelspec import zygotes
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for z in zygotes(folder):
+            if z["pid"] != not_pid and not z["retiring"]:
+                return z
+        time.sleep(0.2)
+    raise RuntimeError(f"no zygote became ready in {folder}; see {log}")
+
+
+def zygote_pids(folder: Path) -> set[int]:
+    from overmind_lab._jupyter_server.kernelspec import zygotes
+
+    return {int(z["pid"]) for z in zygotes(folder)}
+
+
+def marked(marker: str) -> list[int]:
     out = []
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) != os.getpid():
