@@ -84,6 +84,8 @@ INTENDED_DIFFERENCES = (
     "subscribes, not only the first; Note [Every subscriber welcomed])",
     "the kernel's TCP ports listen from the fork on, before ipykernel binds them (Note [Ports "
     "bound at the fork])",
+    "its first cell waits until IOPub has a subscriber, for 0.3 s at most (Note [The first cell "
+    "waits for a listener])",
     "on a restart it starts while the old kernel shuts down: its config files and command line "
     "are read tens of ms after the restart request, its ports bound once the old kernel "
     "exited (Note [A standby for the restart]); or it was forked a second after the old "
@@ -299,6 +301,66 @@ def _welcome_every_subscriber() -> None:
     thread_cls._setup_xpub_listener = _setup_xpub_listener
 
 
+#: Note [The first cell waits for a listener]: the longest a forked kernel's first
+#: ``execute_request`` waits for an IOPub subscriber.
+LISTENER_WAIT_S = 0.3
+
+
+def _first_cell_waits_for_a_listener() -> None:
+    """Note [The first cell waits for a listener]: a warm kernel is up tens of ms after a restart,
+    and a client that executes right after ``restart_kernel()`` (no ``wait_for_ready``) has its
+    shell and IOPub sockets reconnect on libzmq's timers, each with its own jitter: its first
+    cell could run before its IOPub socket subscribed, and the cell's output and its ``idle``
+    status went to nobody (``execute_interactive`` then waits for that ``idle`` until its timeout;
+    the benchmark saw it under load). The first ``execute_request`` waits, on the kernel's loop,
+    until IOPub has a subscriber (its XPUB socket reports each one: Note [Every subscriber
+    welcomed]), ``LISTENER_WAIT_S`` at most; later ones do not wait, nor does any other request.
+    A reconnected SUB socket sends its subscription only when its own thread next uses it
+    (libzmq attaches the new pipe then), so a client that waits for a reply before it reads
+    IOPub (``wait_for_ready``'s ``kernel_info``) would wait for the kernel while the kernel
+    waited for it: only a cell waits, and clients read IOPub for a cell's output. A plain kernel
+    takes seconds to start, by which time every client has subscribed. More in docs/notes.md."""
+    iostream = sys.modules.get("ipykernel.iostream")
+    kernelbase = sys.modules.get("ipykernel.kernelbase")
+    thread_cls: Any = getattr(iostream, "IOPubThread", None)
+    kernel_cls: Any = getattr(kernelbase, "Kernel", None)
+    handle = getattr(thread_cls, "_handle_subscription", None)
+    execute = getattr(kernel_cls, "execute_request", None)
+    import inspect
+
+    if handle is None or execute is None or not inspect.iscoroutinefunction(execute):
+        return
+    import asyncio
+
+    subscribed = threading.Event()
+
+    def _handle_subscription(self: Any, frames: list[Any]) -> None:
+        if any(bytes(frame)[:1] == b"\x01" for frame in frames):  # a subscription, not a leave
+            subscribed.set()
+        handle(self, frames)
+
+    async def execute_request(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if kernel_cls.execute_request is execute_request:
+            kernel_cls.execute_request = execute  # ipykernel's own from the next cell on
+            # A subscription that reached the socket before the IOPub thread watched it would
+            # leave the descriptor's edge spent (ZMQ's are edge-triggered) until the thread's
+            # next send, and none comes while this waits: the thread is asked to look, in its
+            # own loop (a ZMQ socket belongs to one thread), every 10 ms.
+            iopub: Any = getattr(self, "iopub_thread", None)
+            stream = getattr(iopub, "_xpub_stream", None)
+            deadline = time.monotonic() + LISTENER_WAIT_S
+            polls = 0
+            while not subscribed.is_set() and time.monotonic() < deadline:
+                if stream is not None and polls % 5 == 0:
+                    iopub.io_loop.add_callback(stream._handle_events, stream.socket, 0)
+                polls += 1
+                await asyncio.sleep(0.002)
+        return await execute(self, *args, **kwargs)
+
+    thread_cls._handle_subscription = _handle_subscription
+    kernel_cls.execute_request = execute_request
+
+
 def _standby_until_go(task: ForkTask) -> None:
     """Note [A standby for the restart]: ipykernel starts as far as binding its sockets and
     waits there for ``go`` (the old kernel holds the ports until it exits). A short-lived thread
@@ -416,6 +478,7 @@ def become(task: ForkTask) -> None:
     _leave_zygote_finalizers()
     if kernel:
         _welcome_every_subscriber()
+        _first_cell_waits_for_a_listener()
     step("kernel")
     timeline("child.become", task.env, steps=steps)
 
