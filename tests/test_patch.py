@@ -309,9 +309,9 @@ def test_patch_all_starts_the_daemon_ahead(sock_path: Path) -> None:
     assert got == {"before": False, "after": True, "socket": True}
 
 
-def test_a_dead_daemon_replaced_ahead_is_still_told(sock_path: Path) -> None:
-    """A stale socket: the daemon is started ahead over it, and the first load still says that
-    the daemon had died (its entries in memory are gone)."""
+def test_a_dead_daemons_socket_is_left_to_the_load(sock_path: Path) -> None:
+    """A stale socket: nothing is started ahead; the first load replaces the daemon and says
+    that it had died (its entries in memory are gone)."""
     import socket as _socket
 
     stale = _socket.socket(_socket.AF_UNIX)
@@ -326,7 +326,7 @@ with warnings.catch_warnings(record=True) as caught:
 print(json.dumps([str(w.message) for w in caught]))
 """, env={"OVERMIND_LAB_START_AHEAD": "1", "PYTHONPATH": str(Path(__file__).parent.parent)})
     lines = proc.stdout.strip().splitlines()
-    assert json.loads(lines[-2]) == {"before": False, "after": True, "socket": True}
+    assert json.loads(lines[-2]) == {"before": False, "after": False, "socket": True}
     assert any("had died" in w for w in json.loads(lines[-1])), lines[-1]
 
 

@@ -235,30 +235,25 @@ class Client:
 
     def session(self) -> Session:
         """A connection for one cached load (lookup, lease, store), daemon started."""
-        session = Session(self.connect(start=True))
-        if _replaced_ahead and str(self.path) in _replaced_ahead:  # Note [A daemon started ahead]
-            _replaced_ahead.discard(str(self.path))
-            self.replaced_dead_daemon = True
-        return session
+        return Session(self.connect(start=True))
 
 
 # Note [A daemon started ahead]: in a fresh login the first load found no daemon and started one
-# (``serve --detach``: ~180 ms, 0.29 s on a busy machine, +1.8x on a same-dtype UNet's first load).
-# ``patch_all()`` (and ``%overmind_load``, which calls it) says the cache will be used, and in a
-# notebook the imports of torch and diffusers (seconds) come after it; so it connects to the daemon
-# in a thread of its own (``patch.start_ahead``, which imports this module in that thread, not in
-# the caller's: ``patch_all`` costs no import of the load machinery), starting it where none
-# listens, and the first load
-# finds it listening. The thread does what that load would have done (``connect(start=True)``: the
-# same checks, the start lock), so the two cannot start two daemons, and a load that comes while it
-# starts waits on the same lock. Where it replaced a dead daemon (a stale socket), the next session
-# of this process says so (``replaced_dead_daemon``), so the load still tells the user the daemon
-# had died. A fork while the thread holds the start lock (``flock``, shared by every copy of the
-# descriptor) would keep it held for as long as the child lives, and every other process's start
-# would wait for it: the child closes its copy at once.
+# (``serve --detach``: 130-180 ms, 0.29 s on a busy machine, +1.8x on a same-dtype UNet's first
+# load). ``patch_all()`` (and ``%overmind_load``, which calls it) says the cache will be used, and
+# in a notebook the imports of torch and diffusers (seconds) come after it; so where no socket
+# exists it starts the daemon in a thread of its own (``patch.start_ahead``, which imports this
+# module in that thread, not in the caller's: ``patch_all`` costs no import of the load
+# machinery), and the first load finds it listening. The thread does what that load would have
+# done (``connect(start=True)``: the same checks, the start lock), so the two cannot start two
+# daemons, and a load that comes while it starts waits on the same lock. Where a socket exists
+# it does nothing: a live daemon needs nothing (a connection ahead would only compete with a
+# script's load, which follows at once: 1.31x a repeated load with it), and a dead one's stale
+# socket is left to the load, which tells the user the daemon had died. A fork while the thread
+# holds the start lock (``flock``, shared by every copy of the descriptor) would keep it held
+# for as long as the child lives, and every other process's start would wait for it: the child
+# closes its copy at once.
 _start_locks: set[int] = set()
-#: sockets whose dead daemon ``start_ahead`` replaced, not yet told to a load
-_replaced_ahead: set[str] = set()
 
 
 def _close_start_locks_in_child() -> None:
@@ -272,13 +267,12 @@ os.register_at_fork(after_in_child=_close_start_locks_in_child)
 
 
 def reach_ahead() -> None:
-    """Reach (or start) the user's daemon, as a load would (Note [A daemon started ahead]: the
-    thread of ``patch.start_ahead``); never raises."""
+    """Start the user's daemon where no socket exists, as a load would (Note [A daemon started
+    ahead]: the thread of ``patch.start_ahead``); never raises."""
     with contextlib.suppress(OvermindError, OSError):
         client = Client()
-        client.connect(start=True).close()
-        if client.replaced_dead_daemon:
-            _replaced_ahead.add(str(client.path))
+        if not client.path.exists():
+            client.connect(start=True).close()
 
 
 class Session:

@@ -135,12 +135,16 @@ _ahead: list[threading.Thread] = []
 
 
 def start_ahead() -> None:
-    """Reach (or start) the user's daemon in a thread (Note [A daemon started ahead] in
-    ``client``); once per process."""
+    """Start the user's daemon in a thread where no socket exists (Note [A daemon started ahead]
+    in ``client``); once per process."""
     if _ahead or os.environ.get(AHEAD_ENV, "1") == "0":
         return
 
     def run() -> None:
+        from overmind_lab._common.naming import socket_path
+
+        if socket_path().exists():  # a daemon runs, or the load replaces a dead one
+            return
         from overmind_lab._loading.client import reach_ahead
 
         reach_ahead()
