@@ -62,6 +62,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from benchmarks._numbers import fmt, ratio, stats
+
 if TYPE_CHECKING:
     from benchmarks._runner import Child, Timeouts
     from benchmarks._service import PrivateDaemon
@@ -404,23 +406,6 @@ def _disk_usage(paths: list[Path], skip: set[tuple[int, int]] | None = None
     return blocks, apparent, files, seen
 
 
-def _stats(values: list[float]) -> dict[str, float | int] | None:
-    if not values:
-        return None
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "n": len(values)}
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or not b else a / b
-
-
-def _fmt(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    return f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
-
-
 #: The rows whose time counts overmind_lab's import and ``patch_all`` (rows 2 and 3); the others
 #: are the load call and the touch (the import and ``patch_all`` reported apart).
 WITH_IMPORT = ("notebook", "script")
@@ -576,17 +561,17 @@ class _Orders:
         extra = ""
         ev = rec.get("load_event") or {}
         if ev.get("daemon_seconds") is not None:
-            extra += f", daemon start {_fmt(ev['daemon_seconds'])}"
+            extra += f", daemon start {fmt(ev['daemon_seconds'])}"
         if name in ("login", "killed"):
             extra += f", a daemon serving at go: {'yes' if before.get('running') else 'no'}"
         if rec.get("stored_seconds") is not None:
-            extra += f", stored after {_fmt(rec['stored_seconds'])}"
+            extra += f", stored after {fmt(rec['stored_seconds'])}"
         if rec.get("repeat_load_seconds") is not None:
-            extra += (f"; repeated load {_fmt(rec['repeat_load_seconds'])} + touch "
-                      f"{_fmt(rec['repeat_touch_seconds'])}")
-        self.progress(f"{head}: {_fmt(_total(rec, name in WITH_IMPORT))} (import+patch "
-                      f"{_fmt(rec.get('import_overmind', 0) + rec.get('patch_all', 0))}, load "
-                      f"{_fmt(rec['load_seconds'])}, touch {_fmt(rec['touch_seconds'])}"
+            extra += (f"; repeated load {fmt(rec['repeat_load_seconds'])} + touch "
+                      f"{fmt(rec['repeat_touch_seconds'])}")
+        self.progress(f"{head}: {fmt(_total(rec, name in WITH_IMPORT))} (import+patch "
+                      f"{fmt(rec.get('import_overmind', 0) + rec.get('patch_all', 0))}, load "
+                      f"{fmt(rec['load_seconds'])}, touch {fmt(rec['touch_seconds'])}"
                       f"{', outcome ' + str(rec.get('outcome')) if expected else ''}{extra})")
         return rec
 
@@ -599,7 +584,7 @@ class _Orders:
             blocks, apparent, files, _ = _disk_usage([cache], skip=model_inodes)
             out.update(cache_dir=str(cache), cache_bytes=blocks, cache_apparent_bytes=apparent,
                        cache_files=files,
-                       ratio=_ratio(model_blocks + blocks, model_blocks))
+                       ratio=ratio(model_blocks + blocks, model_blocks))
         status = self.status()
         out.update({k: status.get(k) for k in ("held_bytes", "held_files", "cached_bytes",
                                                "disk_bytes", "memfd_bytes", "tier", "entries",
@@ -675,47 +660,47 @@ class _Orders:
         def good(name: str) -> list[dict[str, Any]]:
             return [r for r in self.runs[name] if "error" not in r]
 
-        totals = {name: _stats([_total(r, name in WITH_IMPORT) for r in good(name)])
+        totals = {name: stats([_total(r, name in WITH_IMPORT) for r in good(name)])
                   for name in self.runs}
-        loads = {name: _stats([r["load_seconds"] for r in good(name)]) for name in self.runs}
+        loads = {name: stats([r["load_seconds"] for r in good(name)]) for name in self.runs}
 
         def med(stats: dict[str, Any] | None) -> float | None:
             return None if stats is None else float(stats["median"])
 
         plain, plain_load = med(totals["plain"]), med(loads["plain"])
-        warm = med(_stats([_total(r, False) for r in good("notebook")]))
+        warm = med(stats([_total(r, False) for r in good("notebook")]))
         rows: dict[str, dict[str, Any]] = {}
         for name in ("plain", "notebook", "script", "first", "login", "killed", "after_first"):
             runs = good(name)
             row: dict[str, Any] = {
                 "total": totals[name], "load": loads[name],
-                "touch": _stats([r["touch_seconds"] for r in runs]),
-                "import_patch": _stats([r.get("import_overmind", 0.0) + r.get("patch_all", 0.0)
+                "touch": stats([r["touch_seconds"] for r in runs]),
+                "import_patch": stats([r.get("import_overmind", 0.0) + r.get("patch_all", 0.0)
                                         for r in runs]) if name != "plain" else None,
-                "ratio": _ratio(med(totals[name]), plain),
-                "load_ratio": _ratio(med(loads[name]), plain_load),
+                "ratio": ratio(med(totals[name]), plain),
+                "load_ratio": ratio(med(loads[name]), plain_load),
                 "failed": len(self.runs[name]) - len(runs), "n": len(runs),
             }
             daemon = [r["load_event"]["daemon_seconds"] for r in runs
                       if (r.get("load_event") or {}).get("daemon_seconds") is not None]
-            row["daemon_start"] = _stats(daemon)
+            row["daemon_start"] = stats(daemon)
             if daemon and len(daemon) == len(runs):
-                row["ratio_without_daemon_start"] = _ratio(
+                row["ratio_without_daemon_start"] = ratio(
                     statistics.median([_total(r, False) - r["load_event"]["daemon_seconds"]
                                        for r in runs]),
                     plain)
             cold = [r["load_event"]["cold_seconds"] for r in runs
                     if (r.get("load_event") or {}).get("cold_seconds") is not None]
             if name in ("first", "login") and cold:
-                row["loader"] = _stats(cold)  # the loader's own time, as the event records it
-                row["stored"] = _stats([r["stored_seconds"] for r in runs
+                row["loader"] = stats(cold)  # the loader's own time, as the event records it
+                row["stored"] = stats([r["stored_seconds"] for r in runs
                                         if r.get("stored_seconds") is not None])
-                row["stored_ratio"] = _ratio(med(row["stored"]), plain_load)
+                row["stored_ratio"] = ratio(med(row["stored"]), plain_load)
             if name in ("login", "killed"):  # a daemon already serving as the load started
                 row["daemon_running_at_go"] = sum(1 for r in runs
                                                   if (r.get("daemon_before") or {}).get("running"))
             if name == "killed":  # over a warm hit's load + touch (the notebook row's)
-                row["over_warm"] = _ratio(med(totals[name]), warm)
+                row["over_warm"] = ratio(med(totals[name]), warm)
             usages = [r["load_usage"] for r in runs if r.get("load_usage")]
             row["load_usage"] = {k: statistics.median(u[k] for u in usages)
                                  for k in (usages[0] if usages else {})}
@@ -725,9 +710,9 @@ class _Orders:
         repeated = [r["repeat_load_seconds"] + r["repeat_touch_seconds"] for r in script
                     if r.get("repeat_load_seconds") is not None]
         rows["first_call"] = {
-            "first": _stats(first), "repeated": _stats(repeated),
-            "ratio": _ratio(med(_stats(first)), med(_stats(repeated))),
-            "with_import_ratio": _ratio(med(totals["script"]), med(_stats(repeated))),
+            "first": stats(first), "repeated": stats(repeated),
+            "ratio": ratio(med(stats(first)), med(stats(repeated))),
+            "with_import_ratio": ratio(med(totals["script"]), med(stats(repeated))),
             "n": len(repeated),
         }
         disks = [r["disk"] for r in self.rounds if r.get("disk")]
@@ -791,7 +776,7 @@ def target_values(orders: dict[str, Any]) -> dict[str, float | None]:
 def _cell(stats: dict[str, Any] | None) -> str:
     if not stats:
         return "-"
-    return f"{_fmt(stats['median'])} ({_fmt(stats['min'])}–{_fmt(stats['max'])})"
+    return f"{fmt(stats['median'])} ({fmt(stats['min'])}–{fmt(stats['max'])})"
 
 
 def _mark(row: dict[str, Any]) -> str:
@@ -886,9 +871,9 @@ def markdown(orders: dict[str, Any] | None) -> list[str]:
         u = row.get("load_usage") or {}
         if not u:
             continue
-        lines.append(f"| {name} | {_fmt((row.get('load') or {}).get('median'))} | "
-                     f"{_fmt(u['thread_cpu_seconds'])} | {_fmt(u['process_cpu_seconds'])} | "
-                     f"{_fmt(u['daemon_cpu_seconds'])} | {_fmt(u['others_cpu_seconds'])} | "
+        lines.append(f"| {name} | {fmt((row.get('load') or {}).get('median'))} | "
+                     f"{fmt(u['thread_cpu_seconds'])} | {fmt(u['process_cpu_seconds'])} | "
+                     f"{fmt(u['daemon_cpu_seconds'])} | {fmt(u['others_cpu_seconds'])} | "
                      f"{u['minor_faults']:.0f} / {u['major_faults']:.0f} | "
                      f"{u['voluntary_switches']:.0f} / {u['involuntary_switches']:.0f} |")
     return lines

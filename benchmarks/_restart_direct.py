@@ -64,13 +64,13 @@ import contextlib
 import json
 import os
 import signal
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from benchmarks._numbers import fmt, median_or_none, ratio
 from benchmarks._service import PrivateDaemon
 from benchmarks._warm_kernel import marked, serving_zygote, zygote_pids
 from overmind_lab._common.zygote_client import TIMELINE_ENV
@@ -119,10 +119,6 @@ m = UNet2DConditionModel.from_pretrained({path!r}, dtype=torch.float16)
 """
 #: Asked after the timing, on the shell channel alone: the kernel's pid and its parent's.
 PIDS_EXPRESSION = "__import__('os').getpid(), __import__('os').getppid()"
-
-
-def _median(xs: list[float]) -> float | None:
-    return statistics.median(xs) if xs else None
 
 
 @contextlib.contextmanager
@@ -373,11 +369,11 @@ def _kind(lab: _Lab, kind: str, cell: str, repeat: int, learned: bool, progress:
     out["modes"] = {}
     for mode, rs in runs.items():
         out["modes"][mode] = {
-            "restart_seconds": _median([r["restart_seconds"] for r in rs]),
-            "ready_seconds": _median([r["ready_seconds"] for r in rs
+            "restart_seconds": median_or_none([r["restart_seconds"] for r in rs]),
+            "ready_seconds": median_or_none([r["ready_seconds"] for r in rs
                                       if r["ready_seconds"] is not None]),
-            "cell_seconds": _median([r["cell_seconds"] for r in rs]),
-            "total_seconds": _median([r["total_seconds"] for r in rs]),
+            "cell_seconds": median_or_none([r["cell_seconds"] for r in rs]),
+            "total_seconds": median_or_none([r["total_seconds"] for r in rs]),
             "all_ok": all(r["status"] == "ok" for r in rs),
             "forked": [r["forked"] for r in rs],
             "runs": rs,
@@ -415,25 +411,15 @@ def run_restart_direct(unet: Path, quick: bool, repeat: int, env: dict[str, str]
             lab.close()
     plain = result["kinds"]["plain"]["modes"]
     result["ratios"] = {
-        kind: {mode: _ratio(result["kinds"][kind]["modes"][mode]["total_seconds"],
+        kind: {mode: ratio(result["kinds"][kind]["modes"][mode]["total_seconds"],
                             plain[mode]["total_seconds"]) for mode in MODES}
         for kind in WARM_KINDS}
     for kind in WARM_KINDS:
         modes = result["kinds"][kind]["modes"]
         progress(f"restart-direct: {kind}: restart -> cell done "
-                 + ", ".join(f"{mode} {_fmt(modes[mode]['total_seconds'])} "
+                 + ", ".join(f"{mode} {fmt(modes[mode]['total_seconds'], ms_digits=0)} "
                              f"({_x(result['ratios'][kind][mode])} of plain)" for mode in MODES))
     return result
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or not b else a / b
-
-
-def _fmt(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
 def _x(value: float | None) -> str:
@@ -465,12 +451,12 @@ def markdown(rd: dict[str, Any] | None) -> list[str]:
         for mode in MODES:
             m = (k.get("modes") or {}).get(mode) or {}
             forked = m.get("forked") or []
-            ratio = (rd.get("ratios") or {}).get(kind, {}).get(mode)
+            over_plain = (rd.get("ratios") or {}).get(kind, {}).get(mode)
             ok = "" if m.get("all_ok", True) else " ⚠ a cell failed"
-            lines.append(f"| {kind_title} | {mode} | {_fmt(m.get('restart_seconds'))} | "
-                         f"{_fmt(m.get('ready_seconds'))} | {_fmt(m.get('cell_seconds'))} | "
-                         f"{_fmt(m.get('total_seconds'))}{ok} | "
-                         f"{'-' if kind == 'plain' else _x(ratio)} | "
+            restart, ready, cell, total = (fmt(m.get(f"{step}_seconds"), ms_digits=0)
+                                           for step in ("restart", "ready", "cell", "total"))
+            lines.append(f"| {kind_title} | {mode} | {restart} | {ready} | {cell} | {total}{ok} | "
+                         f"{'-' if kind == 'plain' else _x(over_plain)} | "
                          f"{sum(forked)}/{len(forked)} |")
     lines += ["", f"*ready*: jupyter_client's `wait_for_ready` sends `kernel_info` until a reply "
                   f"is followed within 0.2 s by an IOPub message, then reads IOPub until 0.2 s "

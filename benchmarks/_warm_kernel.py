@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from benchmarks._memory import read_smaps_rollup
+from benchmarks._numbers import median_or_none
 from benchmarks._server import JupyterServer, WsKernel
 from benchmarks._service import PrivateDaemon
 from overmind_lab._common.zygote_client import TIMELINE_ENV, timeline
@@ -183,10 +184,6 @@ TIMELINE_STEPS = (
     ("client.execute_request", "client: execute_request sent"),
     ("client.execute_reply", "client: execute_reply"),
 )
-
-
-def _median(xs: list[float]) -> float | None:
-    return statistics.median(xs) if xs else None
 
 
 def _pids(kernel: WsKernel) -> tuple[int, int]:
@@ -355,7 +352,7 @@ def _restarts(lab: _Lab, name: str, cell: str, repeat: int, progress: Progress) 
                 progress(f"warm-kernel: {name} {kind} {i + 1}/{repeat}: restart "
                          f"{restarts[-1]:.2f} s, cell {cells[-1]:.2f} s"
                          f"{' (forked)' if forked[-1] else ''}")
-            out[kind] = {"restart_seconds": _median(restarts), "cell_seconds": _median(cells),
+            out[kind] = {"restart_seconds": median_or_none(restarts), "cell_seconds": median_or_none(cells),
                          "restart_all": restarts, "cell_all": cells, "forked": forked,
                          "timeline_ms": _timeline_medians(steps), "timeline_all": steps}
         finally:

@@ -56,6 +56,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks._numbers import fmt, stats
 from overmind_lab._common.zygote_paths import ZygotePaths, zygote_processes
 
 __all__ = ["LIMITS", "SCRIPTS", "TRIVIAL_MIN_RUNS", "markdown", "run_warm_scripts"]
@@ -157,13 +158,6 @@ def test_versions():
 """
 #: Tests the pytest folder holds (``-q`` says ``4 passed``).
 TEST_COUNT = 4
-
-
-def _stats(values: list[float]) -> dict[str, float | int] | None:
-    if not values:
-        return None
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "n": len(values)}
 
 
 class _Lab:
@@ -422,15 +416,9 @@ def _summary(runs: list[dict[str, Any]], want_forked: bool | None) -> dict[str, 
     good = [r for r in runs if not r.get("problem")
             and (want_forked is None or r["forked"] == want_forked)]
     return {"runs": runs, "seconds": [r["seconds"] for r in runs],
-            "forked": [bool(r["forked"]) for r in runs], "stats": _stats([r["seconds"] for r in good]),
+            "forked": [bool(r["forked"]) for r in runs], "stats": stats([r["seconds"] for r in good]),
             "median": statistics.median([r["seconds"] for r in good]) if good else None,
             "failed": sum(1 for r in runs if r.get("problem"))}
-
-
-def _fmt(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    return f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
 def run_warm_scripts(unet: Path, llama: Path, repeat: int, env: dict[str, str],
@@ -478,8 +466,8 @@ def run_warm_scripts(unet: Path, llama: Path, repeat: int, env: dict[str, str],
                 "ratio_warm_over_plain": (warm["median"] / plain["median"]
                                           if warm["median"] and plain["median"] else None),
             }
-            progress(f"warm-scripts: {name}: python {_fmt(plain['median'])}, overmind-lab run "
-                     f"{_fmt(warm['median'])} ({_ratio_text(scripts[name]['ratio_warm_over_plain'])}"
+            progress(f"warm-scripts: {name}: python {fmt(plain['median'])}, overmind-lab run "
+                     f"{fmt(warm['median'])} ({_ratio_text(scripts[name]['ratio_warm_over_plain'])}"
                      f"); forked {sum(warm['forked'])}/{n}")
         result["fallback"] = _fallback(lab, result["trivial_runs"], progress, errors)
         result["renewals"] = lab.zygote_log().count("starting a zygote that also preloads")
@@ -518,9 +506,9 @@ def _fallback(lab: _Lab, n: int, progress: Progress, errors: list[str]) -> dict[
     for kind in ("warm", "run-plain"):
         med = out[kind]["median"]
         out[kind]["extra_ms"] = None if med is None or plain is None else (med - plain) * 1000
-    progress(f"warm-scripts: fallback: python hello.py {_fmt(plain)}, overmind-lab run "
-             f"{_fmt(out['warm']['median'])} (+{_ms(out['warm']['extra_ms'])}), --plain "
-             f"{_fmt(out['run-plain']['median'])} (+{_ms(out['run-plain']['extra_ms'])}); zygote "
+    progress(f"warm-scripts: fallback: python hello.py {fmt(plain)}, overmind-lab run "
+             f"{fmt(out['warm']['median'])} (+{_ms(out['warm']['extra_ms'])}), --plain "
+             f"{fmt(out['run-plain']['median'])} (+{_ms(out['run-plain']['extra_ms'])}); zygote "
              f"started: {'YES' if out['zygote_started'] else 'no'}")
     return out
 
@@ -534,7 +522,7 @@ def _cell(summary: dict[str, Any]) -> str:
     st = summary.get("stats")
     if not st:
         return "-"
-    return f"{_fmt(st['median'])} ({_fmt(st['min'])}–{_fmt(st['max'])})"
+    return f"{fmt(st['median'])} ({fmt(st['min'])}–{fmt(st['max'])})"
 
 
 def markdown(ws: dict[str, Any] | None) -> list[str]:
@@ -577,11 +565,11 @@ def markdown(ws: dict[str, Any] | None) -> list[str]:
         first = setup.get("first_runs") or {}
         lines += ["", "Setup: the cache filled by plain runs; first `overmind-lab run` runs (plain "
                       "until the zygote, started by the first, serves) "
-                      + ", ".join(f"{name} {_fmt(r.get('seconds'))} "
+                      + ", ".join(f"{name} {fmt(r.get('seconds'))} "
                                   f"({'forked' if r.get('forked') else 'plain'})"
                                   for name, r in first.items())
                       + f"; the zygote ready {setup.get('ready_wait_seconds', 0):.1f} s after them; "
                       f"its replacement with the learned imports ({replaced.get('preloaded')} "
-                      f"modules) served {_fmt(replaced.get('replace_seconds'))} after the request. "
+                      f"modules) served {fmt(replaced.get('replace_seconds'))} after the request. "
                       f"Renewals of the zygote during the case: {ws.get('renewals', 0)}."]
     return lines
