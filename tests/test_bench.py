@@ -10,13 +10,16 @@ structure and the correctness verdicts are asserted, not the targets.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -246,6 +249,38 @@ def test_a_terminated_bench_stops_its_processes_and_writes_what_it_has(tmp_path:
         log.close()
 
 
+class BenchRun(NamedTuple):
+    stdout: str
+    stderr: str
+    #: every process the run started, collected while it ran
+    seen: set[int]
+
+
+@contextlib.contextmanager
+def bench_run(args: list[str], env: dict[str, str], poll: float = 0.5) -> Iterator[BenchRun]:
+    """``python -m benchmarks ARGS`` run to its end (540 s at most), its exit status 0, the
+    processes it started collected while it ran; whatever of it is still alive when the block
+    ends (passed or failed) is killed."""
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    seen: set[int] = set()
+    try:
+        deadline = time.monotonic() + 540
+        while proc.poll() is None and time.monotonic() < deadline:
+            seen |= _descendants(proc.pid)
+            time.sleep(poll)
+        stdout, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 0, f"exit {proc.returncode}\n{stdout}\n{stderr[-6000:]}"
+        yield BenchRun(stdout, stderr, seen)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+        for pid in seen:
+            if _alive(pid):
+                os.kill(pid, 9)
+
+
 def _marked(marker: str) -> list[int]:
     """Live processes whose command line contains ``marker``."""
     out = []
@@ -268,19 +303,9 @@ def test_quick_warm_kernel_case_through_a_jupyter_server(tmp_path: Path) -> None
     env = dict(os.environ, OVERMIND_LAB_SOCKET=str(tmp_path / "user-run" / "daemon.sock"),
                OVERMIND_LAB_PRELOAD="torch,numpy,threadpoolctl,IPython,ipykernel,"
                                     "ipykernel.kernelapp,ipykernel.ipkernel,overmind_lab")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks", "--quick", "--repeat", "1",
-         "--out", str(out), "--models-dir", str(tmp_path / "models"), "--only", "warm-kernel"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
-    seen: set[int] = set()
-    try:
-        deadline = time.monotonic() + 540
-        while proc.poll() is None and time.monotonic() < deadline:
-            seen |= _descendants(proc.pid)
-            time.sleep(0.5)
-        stdout, stderr = proc.communicate(timeout=30)
-        assert proc.returncode == 0, f"exit {proc.returncode}\n{stdout}\n{stderr[-6000:]}"
-        assert "warm-kernel: jupyter server up on port" in stderr  # progress lines
+    with bench_run(["--quick", "--repeat", "1", "--out", str(out), "--models-dir",
+                    str(tmp_path / "models"), "--only", "warm-kernel"], env) as bench:
+        assert "warm-kernel: jupyter server up on port" in bench.stderr  # progress lines
 
         results = json.loads((out / "results.json").read_text(encoding="utf-8"))
         assert results["errors"] == []
@@ -312,15 +337,8 @@ def test_quick_warm_kernel_case_through_a_jupyter_server(tmp_path: Path) -> None
         for pid in [wk["server_pid"], *wk["zygote_pids"], results["meta"]["daemon_pid"]]:
             assert not _alive(pid), pid
         assert _marked(wk["dir"]) == []
-        left = [p for p in seen if _alive(p)]
+        left = [p for p in bench.seen if _alive(p)]
         assert not left, f"still running after the benchmark ended: {left}"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=30)
-        for pid in seen:
-            if _alive(pid):
-                os.kill(pid, 9)
 
 
 def test_the_chart_is_an_svg_of_the_results() -> None:

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from benchmarks import _cases, _orders, _report
-from tests.test_bench import REPO, _alive, _descendants, _marked
+from tests.test_bench import _alive, _marked, bench_run
 
 #: Rows measured in fresh processes (the order of results.json's ``runs``), with their outcomes.
 PROCESS_ROWS = {"plain": "plain", "first": "cold", "after_first": "warm", "notebook": "warm",
@@ -45,20 +43,10 @@ def test_quick_orders_case(tmp_path: Path) -> None:
     user_socket = tmp_path / "user-run" / "daemon.sock"
     env = dict(os.environ, OVERMIND_LAB_SOCKET=str(user_socket))
     start = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks", "--quick", "--only", "orders", "--out", str(out),
-         "--models-dir", str(tmp_path / "models")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
-    seen: set[int] = set()
-    try:
-        deadline = time.monotonic() + 540
-        while proc.poll() is None and time.monotonic() < deadline:
-            seen |= _descendants(proc.pid)
-            time.sleep(0.2)
-        stdout, stderr = proc.communicate(timeout=30)
+    with bench_run(["--quick", "--only", "orders", "--out", str(out), "--models-dir",
+                    str(tmp_path / "models")], env, poll=0.2) as bench:
         elapsed = time.monotonic() - start
-        assert proc.returncode == 0, f"exit {proc.returncode}\n{stdout}\n{stderr[-6000:]}"
-        assert "orders: round 1/1" in stderr  # progress lines
+        assert "orders: round 1/1" in bench.stderr  # progress lines
 
         results = json.loads((out / "results.json").read_text(encoding="utf-8"))
         assert results["errors"] == []
@@ -134,13 +122,6 @@ def test_quick_orders_case(tmp_path: Path) -> None:
         assert _marked(meta["socket"]) == []
         assert not os.path.exists(meta["socket"])
         assert not user_socket.exists()
-        left = [p for p in seen if _alive(p)]
+        left = [p for p in bench.seen if _alive(p)]
         assert not left, f"still running after the benchmark ended: {left}"
         print(f"quick orders: {elapsed:.0f} s")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=30)
-        for pid in seen:
-            if _alive(pid):
-                os.kill(pid, 9)

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +17,7 @@ import pytest
 
 from benchmarks import _report
 from benchmarks._restart_direct import KINDS, MODES, WARM_KINDS, markdown
-from tests.test_bench import REPO, _alive, _descendants, _marked
+from tests.test_bench import _alive, _marked, bench_run
 
 
 def _result(totals: dict[str, float], forked: bool = True) -> dict[str, Any]:
@@ -68,20 +66,10 @@ def test_quick_restart_direct_case_through_jupyter_client(tmp_path: Path) -> Non
     env = dict(os.environ, OVERMIND_LAB_SOCKET=str(tmp_path / "user-run" / "daemon.sock"),
                OVERMIND_LAB_PRELOAD="torch,numpy,threadpoolctl,IPython,ipykernel,"
                                     "ipykernel.kernelapp,ipykernel.ipkernel,overmind_lab")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks", "--quick", "--out", str(out),
-         "--models-dir", str(tmp_path / "models"), "--only", "restart-direct"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
-    seen: set[int] = set()
-    try:
-        deadline = time.monotonic() + 540
-        while proc.poll() is None and time.monotonic() < deadline:
-            seen |= _descendants(proc.pid)
-            time.sleep(0.5)
-        stdout, stderr = proc.communicate(timeout=30)
-        assert proc.returncode == 0, f"exit {proc.returncode}\n{stdout}\n{stderr[-6000:]}"
-        assert "restart-direct: warm pause 1/2: total" in stderr  # progress lines
-        assert "restart-direct: WARNING" not in stderr, stderr[-6000:]
+    with bench_run(["--quick", "--out", str(out), "--models-dir", str(tmp_path / "models"),
+                    "--only", "restart-direct"], env) as bench:
+        assert "restart-direct: warm pause 1/2: total" in bench.stderr  # progress lines
+        assert "restart-direct: WARNING" not in bench.stderr, bench.stderr[-6000:]
 
         results = json.loads((out / "results.json").read_text(encoding="utf-8"))
         assert results["errors"] == []
@@ -125,12 +113,5 @@ def test_quick_restart_direct_case_through_jupyter_client(tmp_path: Path) -> Non
         for pid in [*rd["zygote_pids"], rd["daemon_pid"], results["meta"]["daemon_pid"]]:
             assert not _alive(pid), pid
         assert _marked(rd["dir"]) == []
-        left = [p for p in seen if _alive(p)]
+        left = [p for p in bench.seen if _alive(p)]
         assert not left, f"still running after the benchmark ended: {left}"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=30)
-        for pid in seen:
-            if _alive(pid):
-                os.kill(pid, 9)
