@@ -267,12 +267,10 @@ os.register_at_fork(after_in_child=_close_start_locks_in_child)
 
 
 def reach_ahead() -> None:
-    """Start the user's daemon where no socket exists, as a load would (Note [A daemon started
-    ahead]: the thread of ``patch.start_ahead``); never raises."""
+    """Reach the user's daemon, starting it as a load would (Note [A daemon started ahead]: the
+    thread of ``patch.start_ahead``, which found no socket); never raises."""
     with contextlib.suppress(OvermindError, OSError):
-        client = Client()
-        if not client.path.exists():
-            client.connect(start=True).close()
+        Client().connect(start=True).close()
 
 
 class Session:
