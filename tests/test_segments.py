@@ -123,3 +123,57 @@ def test_a_segment_is_mapped_with_pmd_sized_folios_where_the_kernel_can(
         os.close(fd)
     whole_blocks = size // block
     assert _pmd_mapped_kib(path) >= whole_blocks * (block >> 10)
+
+
+def _file_of(tmp_path: Path, nbytes: int) -> int:
+    path = tmp_path / "seg"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    for offset in range(0, nbytes, 64 << 10):  # in small writes, as a checkpoint's writer leaves it
+        os.pwrite(fd, bytes([offset >> 16 & 0xFF]) * (64 << 10), offset)
+    return fd
+
+
+def test_a_hit_s_pages_are_mapped_behind_it(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [Pages mapped behind the load]: the thread maps every page of the mapping without a
+    read from this thread (its ``Rss`` grows from nothing to the whole file)."""
+    monkeypatch.delenv(segments.PREFAULT_ENV, raising=False)
+    nbytes = 8 << 20
+    mapping, mm = segments.map_segment("s", nbytes, _file_of(tmp_path, nbytes))
+    assert _smaps_field(mapping.address, "Rss") == 0
+    thread = segments.prefault_behind([(mapping, mm)])
+    assert thread is not None
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert _smaps_field(mapping.address, "Rss") == nbytes >> 10
+    assert mm[5 << 16] == 5  # the bytes are the file's; the mapping stays copy-on-write
+    mm[0] = 0xAA
+    assert os.pread(mapping.fd, 1, 0) == b"\0"
+
+
+@pytest.mark.parametrize("setting", ["0", "1"])
+def test_no_thread_where_the_setting_says_never_or_before_the_return(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setting: str) -> None:
+    monkeypatch.setenv(segments.PREFAULT_ENV, setting)
+    nbytes = 1 << 20
+    mapping, mm = segments.map_segment("s", nbytes, _file_of(tmp_path, nbytes))
+    assert segments.prefault_behind([(mapping, mm)]) is None
+    assert _smaps_field(mapping.address, "Rss") == (nbytes >> 10 if setting == "1" else 0)
+
+
+def test_a_file_cut_short_under_the_thread_is_no_crash(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The user's own file, held by the cache, truncated after the hit mapped it: populating past
+    its end is ``EFAULT`` (touching it would be a SIGBUS in the thread, the process killed)."""
+    monkeypatch.delenv(segments.PREFAULT_ENV, raising=False)
+    nbytes = 4 << 20
+    fd = _file_of(tmp_path, nbytes)
+    mapping, mm = segments.map_segment("s", nbytes, os.dup(fd))
+    os.ftruncate(fd, 4096)
+    os.close(fd)
+    thread = segments.prefault_behind([(mapping, mm)])
+    assert thread is not None
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert mm[0] == 0  # this process is alive, the page within the file still readable
+    assert _smaps_field(mapping.address, "Rss") <= 64

@@ -6,12 +6,13 @@ daemon's refold (Note [Refolding a held source] in ``_daemon/refold.py``) both r
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 from typing import Any
 
 __all__ = ["PAGE", "PMD", "MADV_POPULATE_READ", "mapping_address", "huge_windows",
-           "cached_bytes"]
+           "cached_bytes", "populate"]
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 PMD = 2 << 20
@@ -36,8 +37,20 @@ _PAGEMAP_SCAN = (3 << 30) | (ctypes.sizeof(_ScanArg) << 16) | (ord("f") << 8) | 
 try:
     _libc: Any = ctypes.CDLL(None, use_errno=True)
     _libc.ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
-except OSError:  # pragma: no cover - not glibc/musl
+    _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+except (OSError, AttributeError):  # pragma: no cover - not glibc/musl
     _libc = None
+
+
+def populate(address: int, length: int) -> int:
+    """``madvise(MADV_POPULATE_READ)`` over ``[address, address + length)``, the GIL released (a
+    ``ctypes`` call): 0, or the ``errno`` (``EFAULT`` past the end of a file: never a ``SIGBUS``;
+    ``EINVAL`` before Linux 5.14; ``ENOSYS`` where there is no libc to call)."""
+    if _libc is None:
+        return errno.ENOSYS
+    if _libc.madvise(address, length, MADV_POPULATE_READ) == 0:
+        return 0
+    return ctypes.get_errno()
 
 
 def mapping_address(mm: mmap.mmap) -> int:

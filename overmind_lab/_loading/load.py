@@ -37,7 +37,7 @@ from overmind_lab._loading.pickling import (
     load_stream,
     set_hook_counter,
 )
-from overmind_lab._loading.segments import map_segment, write_segment
+from overmind_lab._loading.segments import map_segment, prefault_behind, write_segment
 
 if TYPE_CHECKING:
     from typing import TypedDict
@@ -741,5 +741,7 @@ def _rebuild(entry: WireEntry, fds: list[int], components: dict[str, Any]) -> An
                           hooks=_pair(meta.get("hooks")))
     finally:
         stream.release()
+    # after the unpickling: Note [Pages mapped behind the load]
+    prefault_behind(list(zip(mappings, pinned, strict=True)))
     _keys.remember(obj, entry["key"])
     return obj
