@@ -35,7 +35,7 @@ _SOCKETS: list[Path] = []
 
 
 def _daemons_on(path: Path) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", f"overmind_lab serve .*--socket {path}( |$)"],
+    out = subprocess.run(["pgrep", "-f", f"overmind_lab(\\._daemon)? serve .*--socket {path}( |$)"],
                          capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
 

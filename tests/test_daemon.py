@@ -29,7 +29,7 @@ def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 
 def daemon_pids(path: Path) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", f"overmind_lab serve --detach --socket {path}"],
+    out = subprocess.run(["pgrep", "-f", f"overmind_lab(\\._daemon)? serve --detach --socket {path}"],
                          capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
 

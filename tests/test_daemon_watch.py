@@ -83,7 +83,7 @@ def free_bytes(path: Path) -> int:
 
 
 def daemons_on(path: Path) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", f"overmind_lab serve --detach --socket {path}( |$)"],
+    out = subprocess.run(["pgrep", "-f", f"overmind_lab(\\._daemon)? serve --detach --socket {path}( |$)"],
                          capture_output=True, text=True)
     return sorted(int(p) for p in out.stdout.split())
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from overmind_lab._common import dists
 from overmind_lab._errors import NotCacheable
 from overmind_lab._loading.keys import make_key, normalize
 
@@ -95,7 +96,7 @@ def test_library_versions_come_from_dist_info_names_as_importlib_finds_them(
     (first / "peft.egg-info" / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: peft\n"
                                                       "Version: 0.7.1\n")
     monkeypatch.setattr("sys.path", [str(tmp_path / "absent"), str(first), str(second)])
-    found = keys._dist_info_versions()
+    found = dists.dist_info_versions()
     assert found["huggingface_hub"] == "9.9"  # the first along sys.path wins
     assert found["torch"] == "0.1" and found["peft"] == ""
     keys._installed_versions.cache_clear()

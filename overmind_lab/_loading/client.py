@@ -160,7 +160,8 @@ class Client:
             except DaemonUnavailable:
                 pass
             stale = self.path.exists()
-            cmd = [sys.executable, "-m", "overmind_lab", "serve", "--detach",
+            # the daemon's own entry, not the CLI's: Note [A daemon that starts at once]
+            cmd = [sys.executable, "-m", "overmind_lab._daemon", "serve", "--detach",
                    "--socket", str(self.path)]
             try:
                 proc = subprocess.run(cmd, stdin=subprocess.DEVNULL,

@@ -18,13 +18,13 @@ import importlib.util
 import inspect
 import json
 import os
-import re
 import sys
 import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from overmind_lab._common.dists import dist_info_versions, version_of
 from overmind_lab._errors import NotCacheable
 from overmind_lab._loading import deferred, user_code
 
@@ -326,50 +326,13 @@ def _versions(qualname: str) -> dict[str, str]:
 def _installed_versions() -> dict[str, str]:
     # From installed metadata, not what is imported (a refresh worker must get the same key); once
     # per process, as its code does not change when a package is upgraded under it.
-    from importlib import metadata
-
-    found = _dist_info_versions()
+    found = dist_info_versions()
     out = {}
     for dist in _VERSIONED:
-        version = found.get(_canonical(dist))
-        if version is None:
-            continue
-        if not version:  # an egg-info folder: its name may not carry the version
-            try:
-                version = metadata.version(dist.replace("_", "-"))
-            except metadata.PackageNotFoundError:
-                continue
-        out[dist] = version
+        version = version_of(dist, found)
+        if version is not None:
+            out[dist] = version
     return out
-
-
-def _canonical(name: str) -> str:
-    fast = name.replace("-", "_").replace(".", "_").lower()  # no regex: ~150 per process
-    return fast if "__" not in fast else re.sub(r"[-_.]+", "_", name).lower()
-
-
-def _dist_info_versions() -> dict[str, str]:
-    """Installed distributions by canonical name -> version from their ``.dist-info`` folder name,
-    first along ``sys.path``; ``""`` for ``.egg-info`` (ask importlib).
-
-    Note [Versions without METADATA]: ``importlib.metadata.version`` parses METADATA with the email
-    parser (torch's ~50 KB): 15-25 ms, a third of a warm UNet load in a fresh kernel. The folder's
-    name holds the same version (wheel spec), so only directory listings are read.
-    """
-    found: dict[str, str] = {}
-    for entry in sys.path:
-        try:
-            names = os.listdir(entry or ".")
-        except OSError:
-            continue
-        for name in names:
-            if not name.endswith("-info"):
-                continue
-            stem, _, suffix = name.rpartition(".")
-            if suffix in ("dist-info", "egg-info"):
-                project, _, version = stem.partition("-")
-                found.setdefault(_canonical(project), version if suffix == "dist-info" else "")
-    return found
 
 
 @functools.lru_cache(maxsize=1)
