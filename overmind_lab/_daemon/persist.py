@@ -9,15 +9,12 @@ corrupt index is discarded with a warning: the cache starts cold.
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import os
-import platform
-import sys
 from collections import deque
-from pathlib import Path
 from typing import Any
 
+from overmind_lab._common.saved import source_changed, versions_changed
 from overmind_lab._daemon.index import WARM_HISTORY, Entry, Index
 from overmind_lab._daemon.store import Corrupt, Segment, Store
 
@@ -118,63 +115,3 @@ def _check(entry: Entry, opened: dict[str, Segment], bad: dict[str, str]) -> str
             return f"its segment {sid} is not in the index"
     validate = entry.validate or {}
     return source_changed(validate.get("source")) or versions_changed(validate)
-
-
-def source_changed(source: Any) -> str | None:
-    """Why a recorded source signature (Note [File signatures]) no longer matches the disk,
-    or ``None``; one of another shape (an older client's) counts as changed."""
-    if not isinstance(source, dict) or "local" not in source:
-        return None
-    root = Path(str(source["local"]))
-    files = source.get("files")
-    try:
-        if isinstance(files, list) and files and isinstance(files[0], int):
-            if len(files) != 5:
-                return f"the signature of {root} was recorded without inode and ctime"
-            return None if _identity(root.stat()) == files else f"{root} changed"
-        if not isinstance(files, list):
-            return f"the signature of {root} is malformed"
-        for record in files:
-            if not isinstance(record, list) or len(record) != 6:
-                return f"the signature of {root} was recorded without inode and ctime"
-            rel, *then = record
-            now = _identity((root / str(rel)).stat())
-            if now != then:
-                return (f"the source file {root / str(rel)} changed ("
-                        f"{_what_changed(then, now)})")
-    except FileNotFoundError as exc:
-        return f"the source file {exc.filename} is gone"
-    except (OSError, TypeError, ValueError) as exc:
-        return f"the source {root} cannot be checked: {exc}"
-    return None
-
-
-_IDENTITY = ("device", "inode", "size", "mtime", "ctime")
-
-
-def _identity(st: os.stat_result) -> list[int]:
-    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-
-
-def _what_changed(then: list[Any], now: list[int]) -> str:
-    return ", ".join(name for name, a, b in zip(_IDENTITY, then, now, strict=True) if a != b)
-
-
-def versions_changed(validate: dict[str, Any]) -> str | None:
-    """Which recorded library version differs here, or ``None`` (same interpreter only)."""
-    versions = validate.get("versions")
-    if validate.get("python") != sys.executable or not isinstance(versions, dict):
-        return None
-    for lib, recorded in versions.items():
-        if lib == "format":
-            continue
-        if lib == "python":
-            now = platform.python_version()
-        else:
-            try:
-                now = importlib.metadata.version(lib)
-            except (importlib.metadata.PackageNotFoundError, ValueError):
-                continue  # a module that is no distribution: the daemon cannot tell
-        if now.split("+")[0] != str(recorded).split("+")[0]:
-            return f"{lib} changed from {recorded} to {now}"
-    return None

@@ -28,9 +28,7 @@ import json
 import logging
 import mmap
 import os
-import secrets
 import stat
-import struct
 import threading
 import time
 import zlib
@@ -41,6 +39,23 @@ from typing import Any
 from overmind_lab._common.fileio import pwrite_all
 from overmind_lab._common.folios import cached_bytes
 from overmind_lab._common.naming import CACHE_DIR_ENV, MEMFD_PREFIX, SEGMENT_SEALS
+from overmind_lab._common.saved import (
+    FORMAT_VERSION,
+    IDENTITY,
+    INDEX_NAME,
+    MAX_INDEX,
+    SEG_SUFFIX,
+    Corrupt,
+    align,
+    file_bytes,
+    held_source_changed,
+    identity,
+    index_file,
+    parse_index,
+    parse_trailer,
+    trailer,
+    trailer_bytes,
+)
 from overmind_lab._daemon.cachedir import (
     FALLBACK_FILESYSTEMS,
     CacheDirRefused,
@@ -60,44 +75,22 @@ __all__ = ["CacheDirRefused", "CacheDirUnavailable", "Corrupt", "Segment", "Stor
 
 log = logging.getLogger("overmind_lab.daemon")
 
-INDEX_NAME = "index"
-SEG_SUFFIX = ".seg"
 TMP_SUFFIX = ".tmp"
 LINK_SUFFIX = ".src"
 COPY_SUFFIX = ".copy"  # Note [A copy to serve]
 _WINDOW = 8 << 20
-PAGE = 4096
-_TRAILER = struct.Struct(">8sIQI")
-_SEG_MAGIC = b"OVLSEG\x00\x01"
-_INDEX_HEADER = struct.Struct(">8sQI")
-_INDEX_MAGIC = b"OVLIDX\x00\x01"
-FORMAT_VERSION = 1
 #: Keep this much of the file system free (bytes or fraction of its size, the smaller).
 FREE_MARGIN = 256 << 20
 FREE_MARGIN_FRACTION = 0.02
 _CHUNK = 16 << 20
-#: An index larger than this is not one (a planted device or a runaway file).
-MAX_INDEX = 256 << 20
 
 
 class _Abandoned(Exception):
     """A copy of a source file given up (``copy_source``)."""
 
 
-class Corrupt(Exception):
-    """A segment or index file failed its checks; the message says which and why."""
-
-
 def new_segment_id() -> str:
-    return secrets.token_hex(8)
-
-
-#: What a file's identity is made of (Note [File signatures] in ``_loading/keys.py``).
-IDENTITY = ("dev", "ino", "size", "mtime_ns", "ctime_ns")
-
-
-def identity(st: os.stat_result) -> list[int]:
-    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+    return os.urandom(8).hex()  # what secrets.token_hex(8) does, without its hmac and OpenSSL
 
 
 @dataclass
@@ -218,20 +211,7 @@ class Segment:
         return "source changed", f"the source file {path} was changed in place ({what})"
 
     def _source_changed(self, st: os.stat_result) -> str | None:
-        src = self.source or {}
-        then = [src.get(k) for k in IDENTITY]
-        now = identity(st)
-        if now != then:
-            what = ", ".join(k for k, a, b in zip(IDENTITY, then, now, strict=True) if a != b)
-            return f"the source file {src.get('path')} was changed in place ({what})"
-        try:  # the path's own inode: a file renamed over it is not the one we hold
-            there = os.stat(str(src.get("path")))
-        except OSError as exc:
-            return f"the source file {src.get('path')} is gone ({exc.strerror})"
-        if (there.st_dev, there.st_ino) != (st.st_dev, st.st_ino):
-            return (f"the source file {src.get('path')} was replaced by another file "
-                    f"(inode {st.st_ino} -> {there.st_ino})")
-        return None
+        return held_source_changed(self.source or {}, st)
 
 
 class Store:
@@ -514,8 +494,8 @@ class Store:
         crc = _crc_fd(seg.fd, seg.size)
         if seg.stamp is not None and identity(os.fstat(seg.fd)) != seg.stamp:
             raise Corrupt(written)
-        trailer_at = _align(max(seg.size, 1))
-        os.pwrite(seg.writer_fd, _trailer(seg.size, crc), trailer_at)
+        trailer_at = align(max(seg.size, 1))
+        os.pwrite(seg.writer_fd, trailer(seg.size, crc), trailer_at)
         mtime = seg.trailer_mtime = os.fstat(seg.fd).st_mtime_ns  # our last write
         os.fsync(seg.writer_fd)
         os.fchmod(seg.writer_fd, 0o400)
@@ -555,11 +535,11 @@ class Store:
             raise Corrupt(f"segment file {self.dir}/{name} cannot be opened: {exc}") from exc
         try:
             st = os.fstat(fd)
-            trailer_at = _align(max(size, 1))
+            trailer_at = align(max(size, 1))
             if st.st_size != file_bytes(size):
                 raise Corrupt(f"segment file {self.dir}/{name} has {st.st_size} bytes, "
                               f"{file_bytes(size)} expected (truncated or torn)")
-            found = _parse_trailer(os.pread(fd, _TRAILER.size + 4, trailer_at),
+            found = parse_trailer(os.pread(fd, trailer_bytes(), trailer_at),
                                    Path(self.dir, name))
             if found != (size, crc):
                 raise Corrupt(f"segment file {self.dir}/{name} holds {found}, its index "
@@ -639,8 +619,7 @@ class Store:
         self._unlink(tmp)  # a leftover, or something planted: never written through
         fd = self._open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            header = _INDEX_HEADER.pack(_INDEX_MAGIC, len(data), zlib.crc32(data))
-            _write_all(fd, header + data)
+            _write_all(fd, index_file(data))
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -665,26 +644,7 @@ class Store:
             raw = os.pread(fd, size, 0)
         finally:
             os.close(fd)
-        if len(raw) < _INDEX_HEADER.size:
-            raise Corrupt(f"index {path} is truncated ({len(raw)} bytes)")
-        magic, length, crc = _INDEX_HEADER.unpack_from(raw)
-        body = raw[_INDEX_HEADER.size:]
-        if magic != _INDEX_MAGIC:
-            raise Corrupt(f"index {path} is not an overmind-lab index (bad magic)")
-        if len(body) != length:
-            raise Corrupt(f"index {path} has {len(body)} body bytes, {length} expected "
-                          "(truncated or torn)")
-        if zlib.crc32(body) != crc:
-            raise Corrupt(f"index {path} does not match its checksum")
-        try:
-            value = json.loads(body)
-        except ValueError as exc:
-            raise Corrupt(f"index {path} is not valid JSON: {exc}") from exc
-        if not isinstance(value, dict) or value.get("version") != FORMAT_VERSION:
-            raise Corrupt(f"index {path} has format version "
-                          f"{value.get('version') if isinstance(value, dict) else '?'}, "
-                          f"this daemon reads {FORMAT_VERSION}")
-        return value
+        return parse_index(raw, path)
 
     def release(self, seg: Segment) -> None:
         """Close a segment's descriptors, keeping its file (the daemon stops); a copy to serve
@@ -783,37 +743,10 @@ def held_size(seg: Segment) -> int:
     return seg.size if seg.tier == "link" else 0
 
 
-def file_bytes(size: int) -> int:
-    """The size of the file of a segment of ``size`` data bytes."""
-    return _align(max(size, 1)) + PAGE
-
-
 def resident_bytes(fd: int, size: int) -> int | None:
     """Bytes of ``fd``'s first ``size`` bytes now in memory (page cache or shmem); ``None``:
     unknown (kernels before 6.5 have no ``cachestat``)."""
     return cached_bytes(fd, 0, size)
-
-
-def _align(n: int) -> int:
-    return (n + PAGE - 1) // PAGE * PAGE
-
-
-def _trailer(size: int, crc: int) -> bytes:
-    fields = _TRAILER.pack(_SEG_MAGIC, FORMAT_VERSION, size, crc)
-    return (fields + struct.pack(">I", zlib.crc32(fields))).ljust(PAGE, b"\0")
-
-
-def _parse_trailer(raw: bytes, path: Path) -> tuple[int, int]:
-    if len(raw) < _TRAILER.size + 4:
-        raise Corrupt(f"segment file {path} has no trailer")
-    fields = raw[:_TRAILER.size]
-    (check,) = struct.unpack_from(">I", raw, _TRAILER.size)
-    magic, version, size, crc = _TRAILER.unpack(fields)
-    if magic != _SEG_MAGIC or zlib.crc32(fields) != check:
-        raise Corrupt(f"segment file {path} has no valid trailer (overwritten or torn)")
-    if version != FORMAT_VERSION:
-        raise Corrupt(f"segment file {path} has format version {version}")
-    return int(size), int(crc)
 
 
 def _crc_fd(fd: int, size: int) -> int:

@@ -20,8 +20,11 @@ from collections.abc import Callable, Iterator
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
+from overmind_lab._common.trust import Untrusted
 from overmind_lab._errors import (
+    DaemonUnavailable,
     ErrorKind,
+    NotAnswering,
     NotCacheable,
     OvermindError,
     OvermindWarning,
@@ -350,19 +353,27 @@ def load(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
                             time.perf_counter() - start, reason=key_error))
             return result
         unavailable: BaseException | None = None
+        from_disk: Session | None = None
         try:
             client = Client()
             absent = not client.path.exists()
             connecting = time.perf_counter()
-            session = client.session()
+            try:
+                session = Session(client.connect())
+            except DaemonUnavailable as exc:
+                if isinstance(exc, NotAnswering) or isinstance(exc.__cause__, Untrusted):
+                    raise  # one runs, or one not to trust: start none (as ``connect`` does)
+                # none listening: the entry on disk while one starts, or wait for one
+                from_disk = None if _state.refresh else _session_from_disk(client, info.key, exc)
+                session = from_disk or client.session()
         except (OvermindError, OSError) as exc:
             unavailable = exc
         if unavailable is not None:
             return _fallback(fn, args, kwargs, info, start, unavailable)
-        if absent or client.replaced_dead_daemon:  # Note [What a load's times say]
-            _state.daemon_seconds = time.perf_counter() - connecting
-            start += _state.daemon_seconds
-        if client.replaced_dead_daemon:
+        if from_disk is None and (absent or client.replaced_dead_daemon):
+            _state.daemon_seconds = time.perf_counter() - connecting  # Note [What a load's
+            start += _state.daemon_seconds                             # times say]
+        if client.replaced_dead_daemon or (from_disk is not None and not absent):
             _warn_once(f"restart:{client.path}:{time.time()}",
                        f"the cache daemon on {client.path} had died; a new one was started "
                        "(entries it had saved on disk are kept, the others load cold)")
@@ -374,6 +385,18 @@ def load(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
             raise  # ours: whole (Note [Tracebacks that show the user's code])
         error.with_traceback(loader_frames)
         raise error  # the loader's own exception, with its frames below (none of ours)
+
+
+def _session_from_disk(client: Client, key: str, exc: DaemonUnavailable) -> Session | None:
+    """Where no daemon listens (``exc``: no socket, or a dead one's), a session whose lookup is
+    the entry saved on disk under ``key`` while a daemon starts (Note [A hit from the disk]); else
+    ``None`` (not answering, not to be trusted, or the entry not there as saved: as before)."""
+    if not isinstance(exc.__cause__, (FileNotFoundError, ConnectionRefusedError)):
+        return None
+    from overmind_lab._loading import from_disk
+
+    found = from_disk.saved_hit(key)
+    return None if found is None else from_disk.DiskSession(client, *found)
 
 
 # Note [What a load's times say]: a load's ``seconds`` is its own time: the key, the lookup and the
