@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import struct
 import sys
 import zlib
@@ -165,6 +164,8 @@ def versions_changed(validate: dict[str, Any]) -> str | None:
         if lib == "format":
             continue
         if lib == "python":
+            import platform  # 2 ms, where an entry records the Python version
+
             now = platform.python_version()
         else:
             if found is None:  # Note [Versions without METADATA]: folder names, as the key's

@@ -30,7 +30,7 @@ from overmind_lab._errors import (
     OvermindWarning,
     VerifyMismatch,
 )
-from overmind_lab._loading import draws, effects, manifest, observe, user_code
+from overmind_lab._loading import draws, effects, from_disk, manifest, observe, user_code
 from overmind_lab._loading import keys as _keys
 from overmind_lab._loading.client import Client, Session
 from overmind_lab._loading.pickling import (
@@ -393,7 +393,6 @@ def _session_from_disk(client: Client, key: str, exc: DaemonUnavailable) -> Sess
     ``None`` (not answering, not to be trusted, or the entry not there as saved: as before)."""
     if not isinstance(exc.__cause__, (FileNotFoundError, ConnectionRefusedError)):
         return None
-    from overmind_lab._loading import from_disk
 
     found = from_disk.saved_hit(key)
     return None if found is None else from_disk.DiskSession(client, *found)
