@@ -3,6 +3,7 @@ real daemon."""
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -106,10 +107,14 @@ def test_the_cold_time_a_warm_line_compares_with_is_the_one_the_cold_line_shows(
 
 def test_a_load_that_starts_the_daemon_shows_that_time_apart(
         shell: InteractiveShell, daemon: Client, capsys: pytest.CaptureFixture[str]) -> None:
-    """After the daemon stopped, the next load starts one: its line says so, and the hit is
-    compared with the cold load without the start (it was shown as 0.21x, a slow-down)."""
+    """After the daemon stopped, a load that must wait for a new one says so, and the hit is
+    compared with the cold load without the start (it was shown as 0.21x, a slow-down). The
+    saved segment was touched meanwhile: only a daemon, which reads its checksum, may serve it
+    (Note [A hit from the disk])."""
     shell.run_line_magic("overmind_load", "-q " + LOAD)
     assert daemon.stop()
+    for segment in Path(os.environ["OVERMIND_LAB_CACHE_DIR"]).glob("*.seg"):
+        os.utime(segment)  # its bytes the same, its identity not
     shell.run_line_magic("overmind_load", LOAD)
     [line] = lines(capsys)
     assert re.match(r"^warm (\S+ m?s) \(start the cache daemon \S+ m?s \+ hit \S+ m?s; "
@@ -118,6 +123,19 @@ def test_a_load_that_starts_the_daemon_shows_that_time_apart(
     [entry] = daemon.entries()
     # the daemon's warm time is the hit's, without the start
     assert f"hit {format_seconds(entry['warm_seconds'][-1])};" in line
+
+
+def test_a_load_with_no_daemon_serves_the_saved_entry_without_waiting(
+        shell: InteractiveShell, daemon: Client, capsys: pytest.CaptureFixture[str]) -> None:
+    """Note [A hit from the disk]: the saved entry, unchanged, is served at once (no start in
+    its line), and a daemon starts meanwhile."""
+    shell.run_line_magic("overmind_load", "-q " + LOAD)
+    assert daemon.stop()
+    shell.run_line_magic("overmind_load", LOAD)
+    [line] = lines(capsys)
+    assert re.match(r"^warm (\S+ m?s) \(cold load was \S+ m?s, ", line), line
+    assert daemon.start()["running"]  # the one the load started (start waits for it)
+    assert daemon.stop()
 
 
 def test_a_hit_slower_than_its_cold_load_is_not_called_a_speed_up() -> None:

@@ -215,14 +215,19 @@ class Client:
     def stop(self, timeout: float = 10.0, *, force: bool = False) -> bool:
         """Stop the daemon; ``False`` if none was running. ``force``: a daemon that does not
         answer, or does not stop within ``timeout``, is killed (``SIGKILL``)."""
-        try:
-            reply = cast("StopReply", self.request("stop"))
-        except NotAnswering as exc:
-            if not force or exc.pid is None:
-                raise
-            return _kill_daemon(self.path, exc.pid, timeout)
-        except DaemonUnavailable:
-            return False
+        for attempt in (1, 2):
+            try:
+                reply = cast("StopReply", self.request("stop"))
+                break
+            except NotAnswering as exc:
+                if not force or exc.pid is None:
+                    raise
+                return _kill_daemon(self.path, exc.pid, timeout)
+            except DaemonUnavailable:
+                # a start in flight (a load's thread: Note [A hit from the disk]) is waited for
+                # and its daemon stopped, not left running behind a "nothing to stop"
+                if attempt == 2 or not self._wait_for_a_start():
+                    return False
         pid = int(reply.get("pid", 0))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -233,6 +238,28 @@ class Client:
             return _kill_daemon(self.path, pid, timeout)
         raise DaemonUnavailable(f"the daemon (pid {pid}) did not stop within {timeout} s; "
                                 "`overmind-lab stop --force` kills it")
+
+    def _wait_for_a_start(self) -> bool:
+        """Wait for a daemon start in flight on this socket (its start lock); whether one may
+        have been."""
+        try:
+            fd = os.open(self.path.with_name(self.path.name + ".start"),
+                         os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            return False  # no process ever started one here
+        try:  # closing the descriptor lets go of the lock
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return False  # none in flight
+            except OSError:
+                pass
+            try:
+                _flock(fd, START_TIMEOUT)
+            except DaemonUnavailable:
+                return False
+            return True
+        finally:
+            os.close(fd)
 
     def session(self) -> Session:
         """A connection for one cached load (lookup, lease, store), daemon started."""
