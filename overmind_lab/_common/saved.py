@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 import sys
 import zlib
@@ -75,6 +76,21 @@ def parse_trailer(raw: bytes, path: Path) -> tuple[int, int]:
 def trailer_bytes() -> int:
     """How much of a trailer ``parse_trailer`` reads."""
     return _TRAILER.size + 4
+
+
+def check_segment_file(fd: int, size: int, crc: object, path: Path) -> os.stat_result:
+    """The ``fstat`` of the open segment file ``fd`` once its size and trailer match its
+    index record's ``size`` and ``crc``; ``Corrupt`` (saying what differs) otherwise. The
+    restored daemon and a load's hit from the disk make this same check."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size != file_bytes(size):
+        raise Corrupt(f"segment file {path} has {st.st_size} bytes, {file_bytes(size)} "
+                      "expected (truncated or torn)")
+    found = parse_trailer(os.pread(fd, trailer_bytes(), align(max(size, 1))), path)
+    if found != (size, crc):
+        raise Corrupt(f"segment file {path} holds {found}, its index record says "
+                      f"{(size, crc)}")
+    return st
 
 
 def index_file(body: bytes) -> bytes:

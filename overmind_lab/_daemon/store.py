@@ -47,14 +47,13 @@ from overmind_lab._common.saved import (
     SEG_SUFFIX,
     Corrupt,
     align,
+    check_segment_file,
     file_bytes,
     held_source_changed,
     identity,
     index_file,
     parse_index,
-    parse_trailer,
     trailer,
-    trailer_bytes,
 )
 from overmind_lab._daemon.cachedir import (
     FALLBACK_FILESYSTEMS,
@@ -534,16 +533,7 @@ class Store:
         except OSError as exc:
             raise Corrupt(f"segment file {self.dir}/{name} cannot be opened: {exc}") from exc
         try:
-            st = os.fstat(fd)
-            trailer_at = align(max(size, 1))
-            if st.st_size != file_bytes(size):
-                raise Corrupt(f"segment file {self.dir}/{name} has {st.st_size} bytes, "
-                              f"{file_bytes(size)} expected (truncated or torn)")
-            found = parse_trailer(os.pread(fd, trailer_bytes(), trailer_at),
-                                   Path(self.dir, name))
-            if found != (size, crc):
-                raise Corrupt(f"segment file {self.dir}/{name} holds {found}, its index "
-                              f"record says {(size, crc)}")
+            st = check_segment_file(fd, size, crc, Path(self.dir, name))
         except BaseException:
             os.close(fd)
             raise

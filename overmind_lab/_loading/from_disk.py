@@ -125,16 +125,13 @@ def _open_segment(seg: dict[str, Any], size: int, dir_fd: int, folder: Path) -> 
         return fd
     fd = os.open(sid + disk.SEG_SUFFIX, _OPEN, dir_fd=dir_fd)
     try:
-        st = os.fstat(fd)
-        trailer = os.pread(fd, disk.trailer_bytes(), disk.align(max(size, 1)))
-        ok = (stat.S_ISREG(st.st_mode) and st.st_size == disk.file_bytes(size)
-              and seg.get("stamp") == disk.identity(st)
-              and disk.parse_trailer(trailer, folder / (sid + disk.SEG_SUFFIX))
-              == (size, seg.get("crc")))
+        st = disk.check_segment_file(fd, size, seg.get("crc"), folder / (sid + disk.SEG_SUFFIX))
+    except disk.Corrupt:
+        st = None
     except BaseException:
         os.close(fd)
         raise
-    if not ok:
+    if st is None or seg.get("stamp") != disk.identity(st):
         os.close(fd)
         return None
     return fd
