@@ -103,8 +103,9 @@ def markdown(out: dict[str, Any]) -> list[str]:
     cfg, tps, ee = out["config"], out["tokens_per_second"], out["early_exit"]
     steps = out["step_seconds"]
     for name, b in out.get("build", {}).items():
+        final = ("distilled from the target, final KL" if b.get("distilled") else "final loss")
         lines.append(f"- {name}: {(b.get('parameters') or 0) / 1e6:.2f}M parameters, trained "
-                     f"{b.get('steps')} steps in {b.get('seconds') or 0:.0f} s; final loss "
+                     f"{b.get('steps')} steps in {b.get('seconds') or 0:.0f} s; {final} "
                      f"{b.get('final_loss') or 0:.3f}, held out {(b.get('held_out_losses') or [0])[-1]:.3f} nats/byte")
     lines += [f"- loaded through the cache: {line}" for line in out.get("loads", [])]
     single = out.get("single_prompt") or {}
@@ -261,7 +262,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     records = {name: decoding.read_marker(path) for name, path in
                (("target", target_dir), ("draft", draft_dir))}
     build = {name: {k: r.get(k) for k in ("seconds", "final_loss", "held_out_losses", "exit_losses",
-                                          "parameters", "steps")} for name, r in records.items() if r}
+                                          "parameters", "steps", "distilled")} for name, r in records.items() if r}
     build_wall = time.perf_counter() - t0
     target, draft, loads = _load_pair(target_dir, draft_dir)
     for line in loads:

@@ -114,7 +114,12 @@ def test_a_quick_build_and_a_version_bump(tmp_path: Path) -> None:
     target_record = decoding.read_marker(target_dir)
     draft_record = decoding.read_marker(draft_dir)
     assert target_record is not None and draft_record is not None
-    assert target_record["steps"] == 4 and draft_record["steps"] == 2  # 4 * 300 / 520
+    assert target_record["steps"] == 4 and draft_record["steps"] == 5  # 4 * 600 / 520
+    # Note [A distilled draft]: the draft learned the target's distributions, and a draft
+    # of another target is another recipe
+    assert draft_record["distilled"] is True and target_record["distilled"] is False
+    assert draft_record["spec"]["teacher"] == target_record["spec"]
+    assert "distill" not in target_record["spec"]["train"]
     assert target_record["versions"] == decoding._versions()
 
     # Note [Version bumps]: other library versions, a model that still loads: reused
@@ -155,6 +160,31 @@ def test_the_lean_forward_computes_what_transformers_computes(pair: tuple[Any, A
                                 *(run.forward([t], cache) for t in ids[0, 25:].tolist())])
         torch.testing.assert_close(whole, expected, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(pieces, expected[10:], atol=1e-4, rtol=1e-4)
+
+
+def test_a_draft_step_is_the_forward_of_one_token(pair: tuple[Any, Any]) -> None:
+    # Note [A draft's first layer by token]: the table row and the scaled head change the
+    # last bits and the scale, never the logits beyond that or their order
+    ids = decoding.prompts(1, length=30, seed=5)[0][0].tolist()
+    for model in pair:
+        with torch.inference_mode():
+            run = decoding.Runner(model)
+            plain, stepped = run.new_cache(64), run.new_cache(64)
+            run.forward(ids[:18], plain)
+            run.forward(ids[:18], stepped)
+            expected = run.forward(ids[18:20], plain)[-1:]  # two tokens at once, as a catch-up
+            torch.testing.assert_close(run.draft_step(ids[18:20], 18, stepped), expected,
+                                       atol=1e-4, rtol=1e-4)
+            for i, token in enumerate(ids[20:]):
+                expected = run.forward([token], plain)
+                got = run.draft_step([token], 20 + i, stepped)
+                ranked = run.draft_step([token], 20 + i, stepped, ranking=True)  # same position
+                torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+                assert int(ranked.argmax()) == int(expected.argmax())
+                assert torch.equal(ranked.argsort(descending=True)[0, :3],
+                                   expected.argsort(descending=True)[0, :3])
+            torch.testing.assert_close(stepped.k[:, :, :, :30], plain.k[:, :, :, :30],
+                                       atol=1e-4, rtol=1e-4)
 
 
 # -- exactness -----------------------------------------------------------------------------

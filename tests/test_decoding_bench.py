@@ -65,6 +65,9 @@ def test_bench_quick_decoding(tmp_path: Path) -> None:
     assert dec["build"]["target"]["final_loss"] > 0
     [target] = [t for t in results["targets"] if t["id"] == "decoding_speedup"]
     assert target["value"] == dec["speedup"] and target["passed"] == (dec["speedup"] >= 1.5)
+    [single] = [t for t in results["targets"] if t["id"] == "decoding_single_k4"]
+    k4 = dec["single_prompt"]["4"]["speedup"]
+    assert single["value"] == k4 and single["passed"] == (k4 >= 2.2)
     md = (out / "results.md").read_text()
     assert "## Decoding: speculative decoding and early exit" in md
     assert "| speculative k=4" in md and "Early exit at threshold" in md
