@@ -65,7 +65,8 @@ def test_build_is_idempotent_and_the_models_learned(pair: tuple[Any, Any]) -> No
     # uniform bytes are log(256) = 5.55 nats; trained ones are far below, on unseen files too
     assert target_record["held_out_losses"][-1] < 2.0
     assert draft_record["held_out_losses"][-1] < 2.5
-    assert target_record["held_out_losses"][-1] < draft_record["held_out_losses"][-1]
+    # the distilled draft comes close to its teacher on unseen files (Note [A distilled draft])
+    assert draft_record["held_out_losses"][-1] < target_record["held_out_losses"][-1] + 0.3
     # the early-exit loss made every exit a language model, better with depth
     exits = target_record["held_out_losses"]
     assert len(exits) == 8 and exits[0] < 3.0
@@ -114,7 +115,7 @@ def test_a_quick_build_and_a_version_bump(tmp_path: Path) -> None:
     target_record = decoding.read_marker(target_dir)
     draft_record = decoding.read_marker(draft_dir)
     assert target_record is not None and draft_record is not None
-    assert target_record["steps"] == 4 and draft_record["steps"] == 5  # 4 * 600 / 520
+    assert target_record["steps"] == 4 and draft_record["steps"] == 9  # 4 * 1200 / 520
     # Note [A distilled draft]: the draft learned the target's distributions, and a draft
     # of another target is another recipe
     assert draft_record["distilled"] is True and target_record["distilled"] is False
