@@ -928,6 +928,9 @@ class _ModelDrafter:
 
     def propose(self, seqs: list[list[int]], budgets: dict[int, int]) -> _Drafts:
         drafts = _Drafts(len(seqs))
+        if self.stepwise and len(seqs) == 1 and self.temperature <= 0 \
+                and self.confidence is None:
+            return self._greedy_row(seqs[0], budgets.get(0, 0), drafts)
         going = [r for r, b in budgets.items() if b > 0]
         while going:
             chunks = [(seqs[r] + drafts.tokens[r])[self.lengths[r]:] if r in going else [0]
@@ -950,6 +953,19 @@ class _ModelDrafter:
                         self.confidence is None or prob >= self.confidence):
                     still.append(r)
             going = still
+        return drafts
+
+    def _greedy_row(self, seq: list[int], budget: int, drafts: _Drafts) -> _Drafts:
+        """What :meth:`propose` drafts for one row at temperature 0 and a fixed length: the
+        same steps without the bookkeeping of rows, distributions and confidence."""
+        tokens = drafts.tokens[0]
+        feed = seq[self.lengths[0]:]
+        while len(tokens) < budget:
+            logits = self.run.draft_step(feed, self.lengths[0], self.cache, ranking=True)
+            self.lengths[0] += len(feed)
+            feed = [int(logits.argmax())]
+            tokens.append(feed[0])
+        drafts.q[0] = [None] * len(tokens)
         return drafts
 
     def crop(self, seqs: list[list[int]], rows: list[int]) -> None:
