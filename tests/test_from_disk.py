@@ -24,9 +24,10 @@ pytestmark = pytest.mark.slow
 
 # The load, then what it was: its outcome, the result's digest, the daemon start it counted, what
 # it warned; then the daemon it started (``start`` waits for one being started) and the entry's
-# hits as that daemon counts them (a hit served from the disk is not reported to any).
+# hits as that daemon counts them (a hit served from the disk is no hit of any daemon's), and its
+# warm times once the load's report reached it (sent by the thread that started the daemon).
 LOAD_WITHOUT_DAEMON = """
-import hashlib, json, os, warnings, torch, overmind_lab
+import hashlib, json, os, time, warnings, torch, overmind_lab
 from diffusers import UNet2DConditionModel
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -37,10 +38,14 @@ for name, t in unet.state_dict().items():
     digest.update(name.encode()); digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
 status = overmind_lab.Client().start()
 [entry] = overmind_lab.Client().entries()
+while {wait_report} and not entry["warm_seconds"]:  # the report comes on its own connection
+    time.sleep(0.01)
+    [entry] = overmind_lab.Client().entries()
 print(json.dumps({{"outcome": events[-1].outcome, "digest": digest.hexdigest(),
                   "daemon_seconds": events[-1].daemon_seconds,
                   "warnings": [str(w.message) for w in caught],
-                  "daemon": status["pid"], "hits": entry["hits"]}}))
+                  "daemon": status["pid"], "hits": entry["hits"],
+                  "warm_seconds": entry["warm_seconds"]}}))
 """
 
 
@@ -48,7 +53,7 @@ def _stored(daemon: Client, model: Path) -> str:
     """The model loaded cold in a child, saved on disk; its key."""
     assert last_json(run_py(LOAD_WITHOUT_DAEMON.replace(
         "status = overmind_lab.Client().start()", "status = {{'pid': 0}}").format(
-            path=str(model))))["outcome"] == "cold"
+            path=str(model), wait_report=False)))["outcome"] == "cold"
     wait_saved(daemon)
     [entry] = daemon.entries()
     return str(entry["key"])
@@ -67,15 +72,17 @@ def test_after_kill_9_the_load_serves_the_saved_entry_and_starts_a_daemon(
     _stored(daemon, model)
     dead = _kill(daemon)
     assert daemon.path.exists()  # the dead daemon's socket: connections refused
-    out = last_json(run_py(LOAD_WITHOUT_DAEMON.format(path=str(model))))
+    out = last_json(run_py(LOAD_WITHOUT_DAEMON.format(path=str(model), wait_report=True)))
     assert out["outcome"] == "warm" and out["digest"] == plain_digest(model)
     assert out["daemon_seconds"] is None  # it waited for no daemon
     assert out["hits"] == 0  # served from the disk: no daemon counted it
+    assert len(out["warm_seconds"]) == 1  # but the new daemon got its warm time
     assert out["daemon"] not in (0, dead)
     assert [w for w in out["warnings"] if "had died; a new one was started" in w]
     # the daemon it started serves the next load itself
-    again = last_json(run_py(LOAD_WITHOUT_DAEMON.format(path=str(model))))
+    again = last_json(run_py(LOAD_WITHOUT_DAEMON.format(path=str(model), wait_report=True)))
     assert again["outcome"] == "warm" and again["hits"] == 1 and again["daemon"] == out["daemon"]
+    assert len(again["warm_seconds"]) == 2
     assert again["warnings"] == []
 
 
@@ -85,7 +92,7 @@ def test_with_no_daemon_at_all_the_saved_entry_is_served(daemon: Client,
     _stored(daemon, model)
     assert daemon.stop()
     assert not daemon.path.exists()
-    out = last_json(run_py(LOAD_WITHOUT_DAEMON.format(path=str(model))))
+    out = last_json(run_py(LOAD_WITHOUT_DAEMON.format(path=str(model), wait_report=True)))
     assert out["outcome"] == "warm" and out["hits"] == 0
     assert out["digest"] == plain_digest(model) and out["warnings"] == []
 
@@ -176,6 +183,6 @@ def test_a_changed_or_planted_file_is_no_hit_from_the_disk(daemon: Client, tmp_p
     if change == "cache dir others can read":
         return  # a daemon refuses it too (test_disk_cache: an unsafe cache dir is refused)
     # the load goes to a daemon as before (cold where that daemon dropped the entry too)
-    out = last_json(run_py(LOAD_WITHOUT_DAEMON.format(path=str(model))))
+    out = last_json(run_py(LOAD_WITHOUT_DAEMON.format(path=str(model), wait_report=False)))
     assert out["outcome"] in ("cold", "warm") and out["digest"] == plain_digest(model)
     assert out["daemon_seconds"] is not None  # it waited for the daemon it started

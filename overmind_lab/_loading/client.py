@@ -355,13 +355,18 @@ class Session:
 
     def report(self, key: str, seconds: float, *, verified: bool | None = None) -> None:
         """Report a warm load's time and whether verify mode passed it (no reply)."""
-        msg: ReportRequest = {"op": "report", "key": key, "seconds": seconds}
-        if verified is not None:
-            msg["verified"] = verified
         try:
-            self.chan.send(msg)
+            self.chan.send(report_request(key, seconds, verified))
         except OSError:
             pass  # statistics only
+
+
+def report_request(key: str, seconds: float, verified: bool | None) -> ReportRequest:
+    """The message that reports a warm load (``Session.report``)."""
+    msg: ReportRequest = {"op": "report", "key": key, "seconds": seconds}
+    if verified is not None:
+        msg["verified"] = verified
+    return msg
 
 
 # Note [A daemon that does not answer]: a stopped daemon (SIGSTOP, a debugger, a swap storm) still

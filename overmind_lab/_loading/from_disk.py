@@ -19,12 +19,14 @@ makes the same checks itself, with the same code (``_common/saved.py``), and map
 Anything missing, malformed or different is no hit (``None``): the load then waits for the daemon
 as before, which says why it drops what it drops. The load starts that daemon in a thread either way
 (``DiskSession``), so the next load, and this one's later requests (a refresh, an eviction after a
-failed rebuild), find it; the warm time of a hit served from the disk is not reported (no daemon
-yet to count it). A daemon that starts meanwhile may drop the entry (its checks ran a moment later):
-the descriptors this load holds keep what it mapped intact, as after an eviction. ``load`` imports
-this module with the rest of the machinery (the start-up thread's work), not at the hit: a hit
-after ``kill -9`` that imported it (and the wire's TypedDicts) took 180-205 ms, not 30, the
-allocations of the import setting off a full collection of the process's heap right there.
+failed rebuild), find it. The load does not wait for that daemon to report its warm time: a report
+made before it listens is kept, and the thread sends it once it connected (lost only where the
+process exits first, as the entry's statistics are). A daemon that starts meanwhile may drop the
+entry (its checks ran a moment later): the descriptors this load holds keep what it mapped intact,
+as after an eviction. ``load`` imports this module with the rest of the machinery (the start-up
+thread's work), not at the hit: a hit after ``kill -9`` that imported it (and the wire's
+TypedDicts) took 180-205 ms, not 30, the allocations of the import setting off a full collection
+of the process's heap right there.
 """
 
 from __future__ import annotations
@@ -40,10 +42,10 @@ from overmind_lab._common import saved as disk
 from overmind_lab._common.naming import default_cache_dir
 from overmind_lab._common.protocol import Channel
 from overmind_lab._common.trust import replaceable_above
-from overmind_lab._loading.client import Client, Session
+from overmind_lab._loading.client import Client, Session, report_request
 
 if TYPE_CHECKING:  # the wire's TypedDicts: 4 ms to import at a hit (Note [A hit from the disk])
-    from overmind_lab._common.messages import WireEntry
+    from overmind_lab._common.messages import ReportRequest, WireEntry
 
 __all__ = ["saved_hit", "DiskSession"]
 
@@ -126,12 +128,13 @@ def _open_segment(seg: dict[str, Any], size: int, dir_fd: int, folder: Path) -> 
     fd = os.open(sid + disk.SEG_SUFFIX, _OPEN, dir_fd=dir_fd)
     try:
         st = disk.check_segment_file(fd, size, seg.get("crc"), folder / (sid + disk.SEG_SUFFIX))
+        ok = seg.get("stamp") == disk.identity(st)
     except disk.Corrupt:
-        st = None
+        ok = False
     except BaseException:
         os.close(fd)
         raise
-    if st is None or seg.get("stamp") != disk.identity(st):
+    if not ok:
         os.close(fd)
         return None
     return fd
@@ -146,9 +149,27 @@ class DiskSession(Session):
         self._client = client
         self._saved: tuple[WireEntry, list[int]] | None = (entry, fds)
         self._chan: Channel | None = None
-        self._starting = threading.Thread(target=_start, args=(client.path,),
-                                          name="overmind-lab-start", daemon=True)
+        # reports made before the thread's daemon listens: the thread sends them (Note [A hit
+        # from the disk]); ``_started`` once it took them, both under ``_lock``
+        self._lock = threading.Lock()
+        self._reports: list[ReportRequest] = []
+        self._started = False
+        self._starting = threading.Thread(target=self._start, name="overmind-lab-start",
+                                          daemon=True)
         self._starting.start()
+
+    def _start(self) -> None:
+        chan = None
+        with contextlib.suppress(Exception):
+            chan = Client(self._client.path).connect(start=True)
+        with self._lock:
+            self._started = True
+            reports, self._reports = self._reports, []
+        if chan is not None:
+            with contextlib.suppress(OSError):
+                for msg in reports:
+                    chan.send(msg)
+            chan.close()
 
     @property
     def chan(self) -> Channel:
@@ -173,8 +194,10 @@ class DiskSession(Session):
         return super().lookup(key, refresh=refresh, own=own)
 
     def report(self, key: str, seconds: float, *, verified: bool | None = None) -> None:
-        if self._chan is None:
-            return  # no daemon yet to count it: the load does not wait for one to report
+        with self._lock:
+            if not self._started:  # the load does not wait for the daemon to report
+                self._reports.append(report_request(key, seconds, verified))
+                return
         super().report(key, seconds, verified=verified)
 
     def __exit__(self, *exc: object) -> None:
@@ -184,7 +207,3 @@ class DiskSession(Session):
         if self._chan is not None:
             self._chan.close()
 
-
-def _start(path: Path) -> None:
-    with contextlib.suppress(Exception):
-        Client(path).connect(start=True).close()
