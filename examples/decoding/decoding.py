@@ -916,7 +916,7 @@ class _ModelDrafter:
         self.confidence, self.hi = confidence, hi
         self.cache = run.new_cache(_capacity(seqs, n, k), batch=len(seqs))
         self.lengths = [0] * len(seqs)
-        # one token of one row through the whole draft: Runner.draft_step
+        # a single row's steps through the whole draft: Runner.draft_step
         self.stepwise = hi is None
 
     def _states(self, chunks: list[list[int]], rows: list[int]) -> tuple[torch.Tensor, list[int]]:
@@ -935,10 +935,9 @@ class _ModelDrafter:
         while going:
             chunks = [(seqs[r] + drafts.tokens[r])[self.lengths[r]:] if r in going else [0]
                       for r in range(len(seqs))]
-            if self.stepwise and len(chunks) == 1:
-                logits, widths = self.run.draft_step(
-                    chunks[0], self.lengths[0], self.cache,
-                    ranking=self.temperature <= 0 and self.confidence is None), [len(chunks[0])]
+            if self.stepwise and len(chunks) == 1:  # sampling or confidence: true logits
+                logits = self.run.draft_step(chunks[0], self.lengths[0], self.cache)
+                widths = [len(chunks[0])]
             else:
                 x, widths = self._states(chunks, going)
                 logits = self._logits(x, widths)
