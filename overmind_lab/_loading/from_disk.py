@@ -42,6 +42,7 @@ from overmind_lab._common import saved as disk
 from overmind_lab._common.naming import default_cache_dir
 from overmind_lab._common.protocol import Channel
 from overmind_lab._common.trust import replaceable_above
+from overmind_lab._errors import OvermindError
 from overmind_lab._loading.client import Client, Session, report_request
 
 if TYPE_CHECKING:  # the wire's TypedDicts: 4 ms to import at a hit (Note [A hit from the disk])
@@ -198,6 +199,10 @@ class DiskSession(Session):
             if not self._started:  # the load does not wait for the daemon to report
                 self._reports.append(report_request(key, seconds, verified))
                 return
+        try:
+            self.chan  # noqa: B018 - the thread's daemon, or why there is none
+        except (OvermindError, OSError):
+            return  # statistics only: a daemon that did not start never fails the load
         super().report(key, seconds, verified=verified)
 
     def __exit__(self, *exc: object) -> None:
