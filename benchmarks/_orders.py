@@ -431,6 +431,8 @@ class _Orders:
         if daemon.budget:
             self.env["OVERMIND_LAB_BUDGET"] = daemon.budget
         self.profile_dir = os.environ.get(PROFILE_ENV)
+        if self.profile_dir:
+            Path(self.profile_dir).mkdir(parents=True, exist_ok=True)
         self.errors: list[str] = []
         self.runs: dict[str, list[dict[str, Any]]] = {name: [] for name in _PROCS}
         self.rounds: list[dict[str, Any]] = []

@@ -92,10 +92,12 @@ def __getattr__(name: str) -> Any:
         from overmind_lab._loading import prewarm
 
         # Waiting for the thread costs nothing the import would not: it does this import, and the
-        # two never compete for the GIL (Note [The first call's work, earlier]). A name of a module
-        # it does not import (``patch_all``, ``load_ipython_extension``) waits for nothing: in a
-        # notebook, ``%load_ext`` and ``%overmind_load`` come before the imports of torch and
-        # diffusers, and the thread's 25-70 ms of imports then overlap those, not the cell.
+        # two never compete for the GIL (Note [The first call's work, earlier]); ``wait`` lets it
+        # begin at once. A name of a module it does not import (``patch_all``,
+        # ``load_ipython_extension``) waits for nothing, and the thread waits for those to end
+        # (Note [The thread waits its turn]): in a notebook, ``%load_ext`` and ``%overmind_load``
+        # come before the imports of torch and diffusers, and the thread's 25-70 ms of imports
+        # then overlap those, not the cell.
         prewarm.wait()
     value = getattr(importlib.import_module(f"overmind_lab.{module}"), name)
     globals()[name] = value

@@ -74,6 +74,43 @@ def test_an_install_after_the_scan_is_seen_by_the_first_key(tmp_path: Path, how:
     assert out["diffusers"] == "99.0"
 
 
+# A finder appended to sys.meta_path between the scans and the first key (transformers' alias
+# finder does it as diffusers imports): Note [A finder added since the scans] in ``keys``.
+FINDER = """
+import importlib.machinery
+class Finder:
+    def find_spec(self, name, path=None, target=None):
+        if name == {finds!r}:
+            return importlib.machinery.ModuleSpec(name, None)
+        return None
+sys.meta_path.append(Finder())
+"""
+
+
+# The folder scans' results, kept (the same objects) or made again (new ones): cache_clear()
+# also resets an lru_cache's counts, so the counts cannot tell.
+SAME_SCANS = """
+kept = (keys._installed_versions(), user_code._roots())
+keys.make_key(json.loads, ("{}",), {})
+assert keys._installed_versions() is kept[0] and user_code._roots() is kept[1], "made again"
+"""
+
+
+def test_a_finder_added_after_the_scans_keeps_the_folder_scans() -> None:
+    _first_key(FINDER.format(finds="no_such_module") + SAME_SCANS)
+
+
+def test_a_finder_that_finds_an_attention_package_is_seen_by_the_first_key() -> None:
+    _first_key(FINDER.format(finds="flash_attn") + "assert 'flash_attn' not in "
+               "keys._attention_packages()" + SAME_SCANS +
+               "assert 'flash_attn' in keys._attention_packages()")
+
+
+def test_a_path_change_after_the_scans_makes_them_again(tmp_path: Path) -> None:
+    with pytest.raises(AssertionError, match="made again"):
+        _first_key(f"sys.path.append({str(tmp_path)!r})" + SAME_SCANS)
+
+
 def test_a_scan_before_an_install_is_what_it_was() -> None:
     """The other direction of the test above: nothing changed, nothing rescanned, and the
     version is the installed one."""
@@ -107,6 +144,8 @@ FORK_AT = """
 import json, os, signal, sys, time
 import overmind_lab
 from overmind_lab._loading import prewarm
+import logging  # as torch would, the thread's turn: Note [The thread waits its turn]
+prewarm.go()
 start = time.perf_counter()
 time.sleep({delay})
 thread_alive = prewarm._thread is not None and prewarm._thread.is_alive()
@@ -145,6 +184,26 @@ def test_a_fork_at_any_moment_of_the_thread_prints_nothing_and_children_work() -
         assert proc.stderr.strip().splitlines() == ["child logs"], proc.stderr
         alive += parent["alive"]
     assert alive > 0  # some forks did come while the thread worked
+
+
+def test_the_thread_waits_for_logging_and_its_turn() -> None:
+    """Note [The thread waits its turn]: in a process that has not imported ``logging``, the thread
+    does nothing however long it waits (``patch_all`` let it go); once another thread imported
+    ``logging`` it does its work."""
+    proc = run_py("""
+        import json, sys, time
+        import overmind_lab
+        from overmind_lab._loading import prewarm
+        overmind_lab.patch_all()
+        assert "logging" not in sys.modules
+        prewarm._never.acquire(timeout=5 * prewarm.HOLD_SECONDS + 0.2)
+        before = "overmind_lab._loading.load" in sys.modules
+        import logging
+        prewarm._thread.join(60)
+        print(json.dumps({"before": before, "after": "overmind_lab._loading.load" in sys.modules,
+                          "alive": prewarm._thread.is_alive()}))
+    """, env={"OVERMIND_LAB_START_AHEAD": "0"})
+    assert last_json(proc) == {"before": False, "after": True, "alive": False}
 
 
 def test_the_thread_registers_no_fork_hooks_that_pair_before_and_after() -> None:

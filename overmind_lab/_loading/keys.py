@@ -403,17 +403,55 @@ def site_state() -> tuple[Any, ...]:
             mtimes.append(os.stat(entry or ".").st_mtime_ns)
         except OSError:
             mtimes.append(None)
-    return tuple(sys.path), tuple(map(id, sys.meta_path)), tuple(mtimes)
+    return tuple(sys.path), tuple(mtimes), tuple(sys.meta_path)
 
 
+# Note [A finder added since the scans]: importing transformers (diffusers does) appends its
+# ``_LegacyModuleAliasFinder`` to ``sys.meta_path``, so in the notebook order (the scans run beside
+# the imports of torch and diffusers) the search path's state always differed at the first key and
+# every scan was made again (~5 ms). Of the scans, only the ``find_spec`` answers (the attention
+# packages, torch) go through ``sys.meta_path``; the ``.dist-info`` and editable-root scans read the
+# folders on ``sys.path``. So where only finders were added (the path and its folders' ``mtime``
+# as they were, no finder gone), each new finder is asked for the names those scans did not find;
+# any answer, or a finder gone, empties those two caches, and the folder scans stay.
 def _settle() -> None:
     """Forget the scans made ahead of the first key if the search path changed since."""
     global _prewarmed
     state, _prewarmed = _prewarmed, None
     if state is None:
         return
-    if state != site_state():
+    now = site_state()
+    if now[:2] != state[:2]:
         forget_prewarm()
+        return
+    if now[2] != state[2] and not _only_blind_finders_added(state[2], now[2]):
+        _attention_packages.cache_clear()
+        _torch_installed.cache_clear()
+
+
+def _only_blind_finders_added(before: tuple[Any, ...], now: tuple[Any, ...]) -> bool:
+    """Note [A finder added since the scans]: every finder of ``before`` still there, and none
+    of the added ones finds a name the ``find_spec`` scans did not."""
+    kept = {id(f) for f in now}
+    if any(id(f) not in kept for f in before):
+        return False
+    had = {id(f) for f in before}
+    missing = [p for p in _ATTENTION_PACKAGES if p not in _attention_packages()]
+    if not _torch_installed():
+        missing.append("torch")
+    for finder in now:
+        if id(finder) in had:
+            continue
+        find = getattr(finder, "find_spec", None)
+        if find is None:
+            return False
+        for name in missing:
+            try:
+                if find(name, None) is not None:
+                    return False
+            except Exception:  # noqa: BLE001 - a finder that fails cannot be trusted blind
+                return False
+    return True
 
 
 # -- the key ----------------------------------------------------------------------------

@@ -274,6 +274,9 @@ def _kernel_status() -> str:
 def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext overmind_lab``: register the magics (patching waits for ``%overmind_load``)."""
     ipython.register_magics(OvermindMagics)
+    from overmind_lab._loading.patch import _prewarm_go
+
+    _prewarm_go()  # Note [The thread waits its turn] (``prewarm``)
 
 
 def unload_ipython_extension(ipython: Any) -> None:

@@ -37,12 +37,17 @@ import sys
 import threading
 import types
 import warnings
-from collections.abc import Callable, Iterator
-from types import ModuleType
-from typing import Any
 
 from overmind_lab._errors import OvermindWarning
 from overmind_lab._extras import require, require_one
+
+# Note [A package that costs nothing to import] (``overmind_lab/__init__.py``): ``patch_all`` is
+# the first call of a notebook (``%load_ext``), before torch: no ``typing`` (2-4 ms with ``re``).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+    from types import ModuleType
+    from typing import Any
 
 __all__ = ["get_original", "is_patched", "patch_all", "patched_names", "unpatch_all",]
 
@@ -126,6 +131,14 @@ def patch_all(*, diffusers: bool = True, transformers: bool = True,
             for cls in _subclasses(root):
                 _patch_class(cls, methods)
     start_ahead()
+    _prewarm_go()
+
+
+def _prewarm_go() -> None:
+    """The start-up thread's turn: Note [The thread waits its turn] (``prewarm``)."""
+    from overmind_lab._loading import prewarm
+
+    prewarm.go()
 
 
 #: Note [A daemon started ahead] (``client``): ``0`` turns it off (the test suite, whose tests
@@ -138,6 +151,15 @@ def start_ahead() -> None:
     """Start the user's daemon in a thread where no socket exists (Note [A daemon started ahead]
     in ``client``); once per process."""
     if _ahead or os.environ.get(AHEAD_ENV, "1") == "0":
+        return
+    # the usual case, a daemon listening, seen here without a thread: a thread started now would
+    # hold the GIL for up to 5 ms of its imports before ``start()`` returns to the caller
+    from overmind_lab._common.zygote_identity import runtime_dir_at_once
+
+    override = os.environ.get("OVERMIND_LAB_SOCKET")
+    folder = None if override else runtime_dir_at_once(os.environ)
+    known = override or (folder and os.path.join(folder, "daemon.sock"))
+    if known and os.path.exists(known):
         return
 
     def run() -> None:

@@ -19,6 +19,30 @@ the work).
   not exist there (a later import of that module hangs) and the module half-run in
   ``sys.modules``: Note [A fork while the thread imports]. The processes of our own that fork (the
   daemon, the zygote) and the CLI start no thread at all (``wanted``).
+- The thread starts at once but works only once the importing thread's own call ended: Note [The
+  thread waits its turn].
+
+Note [The thread waits its turn]: the thread's imports (100 modules where nothing imported them)
+hold the GIL in turns with the importing thread, 5 ms at a time, so a thread that began at once
+made the user's ``import overmind_lab; overmind_lab.patch_all()`` (``%load_ext``, the first cell
+of a notebook, before torch) 4-10 ms instead of 2 where the standard library was imported (an
+IPython kernel) and 20-30 ms instead of 9 in a bare interpreter, where it also had to import
+``logging`` first (Note [A fork while the thread imports], 1). So it waits, blocked on a lock
+(no GIL, no CPU), for two things:
+
+1. ``go()``: the end of ``patch_all`` and of ``%load_ext`` (``load_ipython_extension``), or, where
+   neither comes, ``HOLD_SECONDS`` after the import (a script that imports ``overmind_lab``, then
+   torch, and patches later);
+2. ``logging`` imported by another thread (torch, diffusers and IPython import it), polled every
+   few milliseconds, for at most ``GIVE_UP_SECONDS`` (then the first call does the work, as
+   without the thread). The thread itself never imports ``logging`` first: Note [A fork while the
+   thread imports], 1.
+
+A caller that needs the work now (``wait``: a public name of a module the thread imports, such as
+``overmind_lab.load``) imports ``logging`` itself, lets the thread go and waits for it: the same
+work, done at once. In the notebook order the thread's 25-70 ms then run beside the imports of
+torch and diffusers (seconds), and in the script order (torch first) right after ``patch_all``,
+where the first load waits for them as it did.
 
 Note [A fork while the thread imports]: a fork right after ``import overmind_lab`` (a
 multiprocessing fork pool, DataLoader workers, ``os.fork``) used to wait for the thread (0.05-0.8 s)
@@ -28,9 +52,9 @@ its ``after_in_parent`` released a lock its ``before`` never took. Now a fork do
 
 1. ``logging`` (the one module the thread would import that registers ``before`` and
    ``after_in_parent`` hooks; ``tests/test_prewarm.py`` checks that it stays the only one) is
-   imported before the thread starts, by the importing thread (free where torch or ipykernel came
-   first; 2-3 ms otherwise). The thread then registers no hook that pairs a parent's before and
-   after, so no fork can see half a pair.
+   imported by another thread before the thread begins its work: it waits until it sees it in
+   ``sys.modules`` (Note [The thread waits its turn]). The thread then registers no hook that
+   pairs a parent's before and after, so no fork can see half a pair.
 2. The child repairs what the vanished thread held: each module lock it owned is dropped from
    ``importlib._bootstrap._module_locks`` (the next import makes a fresh one) and each module it was
    still running is removed from ``sys.modules``, with its submodules (the next import runs them
@@ -93,13 +117,24 @@ def wanted(argv: list[str]) -> bool:
     return not (i < len(argv) and os.path.basename(argv[i]) == "overmind-lab")
 
 
+#: Note [The thread waits its turn]: how long (s) the thread waits for ``go()``, then for
+#: ``logging``, and how often (s) it looks for ``logging`` at most.
+HOLD_SECONDS = 0.03
+GIVE_UP_SECONDS = 10.0
+_POLL_SECONDS = 0.02
+#: held until ``go()``; the thread's sleeps are timed acquires of ``_never`` (no import of ``time``)
+_go = allocate_lock()
+_go.acquire()
+_never = allocate_lock()
+_never.acquire()
+
+
 def start() -> None:
     """Start the thread once per process (called by ``import overmind_lab``)."""
     global _thread
     if _thread is not None or not wanted(list(getattr(sys, "orig_argv", sys.argv))):
         return
     import importlib.util  # noqa: F401 - Note [A package half imported by another thread]
-    import logging  # noqa: F401 - Note [A fork while the thread imports], 1
     import threading
 
     _thread = threading.Thread(target=_run, name="overmind-lab-prewarm", daemon=True)
@@ -107,14 +142,29 @@ def start() -> None:
     _thread.start()
 
 
+def go() -> None:
+    """The importing thread's own call ended: the thread may begin (Note [The thread waits its
+    turn]). Again is harmless."""
+    if _go.locked():
+        try:
+            _go.release()
+        except RuntimeError:  # another thread's go() came first
+            pass
+
+
 def wait(timeout: float | None = 5.0) -> None:
-    """Wait for the thread, if one runs (the lazy public names; tests)."""
+    """The work now: let the thread go and wait for it, if one runs (the lazy public names;
+    tests). ``logging`` is imported here where nothing did yet (Note [The thread waits its
+    turn], 2)."""
     thread = _thread
     if thread is None:
         return
     import threading
 
     if thread is not threading.current_thread():
+        import logging  # noqa: F401 - Note [A fork while the thread imports], 1
+
+        go()
         thread.join(timeout)
 
 
@@ -205,9 +255,23 @@ def _after_fork_in_child() -> None:
         keys.forget_prewarm()
 
 
+def _turn() -> bool:
+    """Wait for the thread's turn (Note [The thread waits its turn]): whether it came."""
+    _go.acquire(timeout=HOLD_SECONDS)
+    waited = HOLD_SECONDS
+    while "logging" not in sys.modules:  # Note [A fork while the thread imports], 1
+        if waited >= GIVE_UP_SECONDS:
+            return False
+        _never.acquire(timeout=_POLL_SECONDS)
+        waited += _POLL_SECONDS
+    return True
+
+
 def _run() -> None:
     global _ended
     try:
+        if not _turn():
+            return
         from overmind_lab._loading import keys, load  # noqa: F401 - the import is the work
 
         keys.prewarm()
