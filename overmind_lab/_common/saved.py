@@ -83,7 +83,9 @@ def check_segment_file(fd: int, size: int, crc: object, path: Path) -> os.stat_r
     index record's ``size`` and ``crc``; ``Corrupt`` (saying what differs) otherwise. The
     restored daemon and a load's hit from the disk make this same check."""
     st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_size != file_bytes(size):
+    if not stat.S_ISREG(st.st_mode):
+        raise Corrupt(f"segment file {path} is not a regular file ({_file_type(st.st_mode)})")
+    if st.st_size != file_bytes(size):
         raise Corrupt(f"segment file {path} has {st.st_size} bytes, {file_bytes(size)} "
                       "expected (truncated or torn)")
     found = parse_trailer(os.pread(fd, trailer_bytes(), align(max(size, 1))), path)
@@ -91,6 +93,15 @@ def check_segment_file(fd: int, size: int, crc: object, path: Path) -> os.stat_r
         raise Corrupt(f"segment file {path} holds {found}, its index record says "
                       f"{(size, crc)}")
     return st
+
+
+def _file_type(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISLNK, "a symbolic link")):
+        if test(mode):
+            return name
+    return f"mode {mode:o}"
 
 
 def index_file(body: bytes) -> bytes:

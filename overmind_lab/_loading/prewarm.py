@@ -71,10 +71,10 @@ its ``after_in_parent`` released a lock its ``before`` never took. Now a fork do
    ``ignore`` filter for that warning in front (the ``before`` hook), which the thread takes out
    when it ends (the child: at once). So while it lives (its wait for its turn, at most
    ``GIVE_UP_SECONDS`` and in practice until torch imports ``logging``, then a few milliseconds
-   of work) that warning is not shown; with any other thread at the fork (the user's, a BLAS pool) it shows as always, as it
-   does once the thread ended. The filter is added and taken out under ``_quiet_lock``, so one
-   added as the thread ends is taken out too; the child, whose copy of the lock may be held by
-   the vanished thread, makes a new one.
+   of work) that warning is not shown; with any other thread at the fork (the user's, a BLAS
+   pool) it shows as always, as it does once the thread ended. The filter is added and taken
+   out under ``_quiet_lock``, so one added as the thread ends is taken out too; the child, whose
+   copy of the lock may be held by the vanished thread, makes a new one.
 
 Note [A package half imported by another thread]: an import of ``pkg.sub`` does not wait for
 ``pkg`` when ``pkg`` is already in ``sys.modules``, even while another thread is still running
