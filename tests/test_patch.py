@@ -330,6 +330,41 @@ print(json.dumps([str(w.message) for w in caught]))
     assert any("had died" in w for w in json.loads(lines[-1])), lines[-1]
 
 
+# A fork at a drawn moment after patch_all in a fresh login, while the thread that starts the
+# daemon may be importing the client: the child's own load must finish (an alarm ends a hang)
+# and be served (Note [A fork while the thread imports], 5, in ``prewarm``).
+FORK_AFTER_AHEAD = """
+import json, os, signal, sys, time
+import overmind_lab
+overmind_lab.patch_all()  # in a bare interpreter: the thread's imports take ~10 ms
+time.sleep({delay})
+pid = os.fork()
+if pid == 0:
+    signal.alarm(60)
+    with overmind_lab.record_loads() as events:
+        overmind_lab.load(json.loads, '[1, 2]')
+    sys.stdout.write(json.dumps({{"child": events[-1].outcome}}) + "\\n")
+    sys.stdout.flush()
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print(json.dumps({{"status": status}}))
+"""
+
+
+def test_a_fork_while_the_daemon_starts_ahead_leaves_the_child_working(sock_path: Path) -> None:
+    import random
+
+    rng = random.Random(35)
+    for seed in range(6):
+        delay = 0 if seed < 2 else rng.uniform(0, 0.03)
+        proc = run_py(FORK_AFTER_AHEAD.format(delay=delay), timeout=120,
+                      env={"OVERMIND_LAB_START_AHEAD": "1"})
+        lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+        assert {"status": 0} in lines, proc
+        assert any("child" in x for x in lines), proc
+        Client(sock_path).stop()  # the next case's login starts one again
+
+
 def test_a_forked_child_lets_go_of_the_start_lock(tmp_path: Path) -> None:
     """A fork while the thread holds the start lock: the child's copy is closed at once, so the
     lock is free when the parent lets go of it (else every start waits for the child)."""

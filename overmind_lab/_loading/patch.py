@@ -172,6 +172,9 @@ def start_ahead() -> None:
         reach_ahead()
 
     thread = threading.Thread(target=run, name="overmind-lab-daemon-ahead", daemon=True)
+    from overmind_lab._loading import prewarm
+
+    prewarm.importing(thread)  # Note [A fork while the thread imports], 5 (``prewarm``)
     _ahead.append(thread)
     thread.start()
 

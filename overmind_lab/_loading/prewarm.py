@@ -76,6 +76,11 @@ its ``after_in_parent`` released a lock its ``before`` never took. Now a fork do
    out under ``_quiet_lock``, so one added as the thread ends is taken out too; the child, whose
    copy of the lock may be held by the vanished thread, makes a new one.
 
+5. ``patch_all``'s thread that starts the daemon ahead (Note [A daemon started ahead] in
+   ``client``) imports the client in a fresh login; a fork meanwhile left the child waiting
+   forever on a module lock that thread held (found by a fork right after ``patch_all``). It is
+   counted among the importing threads (``importing``) and repaired the same way (2).
+
 Note [A package half imported by another thread]: an import of ``pkg.sub`` does not wait for
 ``pkg`` when ``pkg`` is already in ``sys.modules``, even while another thread is still running
 its ``__init__``. For ``importlib`` that is fatal: a thread that imports ``importlib.util`` (the
@@ -139,8 +144,31 @@ def start() -> None:
     import threading
 
     _thread = threading.Thread(target=_run, name="overmind-lab-prewarm", daemon=True)
-    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+    _fork_hooks()
     _thread.start()
+
+
+_hooked = False
+
+
+def _fork_hooks() -> None:
+    global _hooked
+    if not _hooked:
+        os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+        _hooked = True
+
+
+#: Other threads of ours that import (``patch.start_ahead``'s, which imports the client as it
+#: starts the daemon): a fork while one imports is repaired in the child as for this thread
+#: (Note [A fork while the thread imports], 2), by their idents.
+_importers: list[threading.Thread] = []
+
+
+def importing(thread: threading.Thread) -> None:
+    """Count ``thread`` (not started yet) among the threads whose imports a fork's child
+    repairs: Note [A fork while the thread imports], 5."""
+    _fork_hooks()
+    _importers.append(thread)
 
 
 def go() -> None:
@@ -169,8 +197,10 @@ def wait(timeout: float | None = 5.0) -> None:
         thread.join(timeout)
 
 
-#: the thread's ident while it ran at the last fork (Note [A fork while the thread imports])
+#: the thread's ident while it ran at the last fork (Note [A fork while the thread imports]),
+#: and those of the other importing threads then alive (5)
 _running_at_fork: int | None = None
+_importing_at_fork: list[int] = []
 
 
 #: Note [A fork while the thread imports], 4: the ``ignore`` filter a fork put in, the lock
@@ -182,9 +212,10 @@ _FORK_WARNING = r"This process \(pid=\d+\) is multi-threaded, use of fork\(\)"
 
 
 def _before_fork() -> None:
-    global _running_at_fork, _quiet_filter
+    global _running_at_fork, _quiet_filter, _importing_at_fork
     thread = _thread
     _running_at_fork = thread.ident if thread is not None and thread.is_alive() else None
+    _importing_at_fork = [t.ident for t in _importers if t.ident is not None and t.is_alive()]
     if _running_at_fork is None or sys.version_info < (3, 12) or not _only_ours():
         return
     import warnings
@@ -227,10 +258,22 @@ def _after_fork_in_child() -> None:
     global _thread, _quiet_lock
     _quiet_lock = allocate_lock()  # 4: the vanished thread may hold the copy
     _unquiet()
+    _importers.clear()  # 5: none of them exists here
     tid = _running_at_fork
+    for other in _importing_at_fork:
+        _let_go_of_imports(other)
     if tid is None:
         return
     _thread = None
+    _let_go_of_imports(tid)
+    keys = sys.modules.get("overmind_lab._loading.keys")
+    if keys is not None and hasattr(keys, "forget_prewarm"):
+        keys.forget_prewarm()
+
+
+def _let_go_of_imports(tid: int) -> None:
+    """In a fork's child: the module locks the vanished thread ``tid`` held, dropped, and the
+    modules it was still running, removed (Note [A fork while the thread imports], 2)."""
     try:
         import _frozen_importlib as bootstrap
     except ImportError:  # pragma: no cover - CPython always has it
@@ -251,9 +294,6 @@ def _after_fork_in_child() -> None:
     for name in half:  # a package's finished submodules too: run again, they bind to it again
         for other in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
             sys.modules.pop(other, None)
-    keys = sys.modules.get("overmind_lab._loading.keys")
-    if keys is not None and hasattr(keys, "forget_prewarm"):
-        keys.forget_prewarm()
 
 
 def _turn() -> bool:
