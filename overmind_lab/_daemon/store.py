@@ -486,7 +486,23 @@ class Store:
         Note [Finishing in the background]: the entry is served from the ``.tmp`` meanwhile;
         a crash before the rename leaves a ``.tmp`` the next daemon deletes. The file must
         not have moved since ``store`` (its stamp): the checksum would seal bytes nobody
-        stored."""
+        stored.
+
+        Note [A write just before the trailer]: a write that lands between the comparison
+        with the stamp and the trailer's ``pwrite`` cannot be told from that ``pwrite`` by
+        the file's times. Ours comes next and moves the mtime past it (or leaves it where
+        it put it, when the clock's coarse tick has not moved), so the final stamp
+        includes it and the crc, of the bytes before it, would be sealed: a hit compares
+        stamps, finds them equal and serves the damage. Nothing cheaper closes the window:
+        the thread drops the GIL between the two calls, so it can last milliseconds, and
+        the owner of the file may always write it. So the data are read a second time
+        after the final stamp (a ``stat``: any later write moves the ctime, Linux 6.13's
+        multigrain timestamps) and must give the same crc, and the stamp must not have
+        moved while they were read. It costs one more pass over bytes the daemon just
+        read (in the page cache, ~2 GB/s), in this background thread, once per segment;
+        a link-tier entry (the user's own file) is never finished. A hit during that
+        pass is still served from the file as it is, as before: the pass decides what is
+        sealed, and a damaged segment is dropped when it ends."""
         assert self.dir is not None and seg.writer_fd >= 0
         written = f"segment file {seg.id} was written after it was stored"
         # Valid only if the file did not move since ``store`` nor while it was read.
@@ -504,6 +520,9 @@ class Store:
         final = os.fstat(seg.fd)
         if final.st_mtime_ns != mtime or final.st_size != file_bytes(seg.size):
             raise Corrupt(written)  # a write while it was finished: the crc is not of it
+        # Note [A write just before the trailer]: only the bytes themselves can tell.
+        if _crc_fd(seg.fd, seg.size) != crc or identity(os.fstat(seg.fd)) != identity(final):
+            raise Corrupt(written)
         # In this order: ``Segment.check`` (the event loop's thread) accepts the finished
         # size while the writer fd is open, then compares with the final stamp.
         seg.crc = crc
