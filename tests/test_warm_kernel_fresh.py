@@ -64,9 +64,11 @@ def _handler(h):
 _status = {k: " ".join(v.split()) for k, _, v in
            (line.partition(":") for line in _read("/proc/self/status").splitlines())}
 _mask = sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, []))
-# (IPython's history thread may be writing its journal now, in either kernel)
+# (IPython's history thread may be committing now, in either kernel: SQLite holds the
+# journal open, and the folder holding the database while it syncs the journal's deletion)
+_hist = str(get_ipython().history_manager.hist_file)
 _fds = sorted(t for t in (_fd(int(f)) for f in os.listdir("/proc/self/fd"))
-              if not t.endswith("history.sqlite-journal"))
+              if t not in (_hist + "-journal", os.path.dirname(_hist)))
 _threads = len(os.listdir("/proc/self/task"))
 def _comms():
     return sorted(re.sub(r"\d+", "N", _read(f"/proc/self/task/{t}/comm").strip())
