@@ -394,14 +394,49 @@ def _measure_rows(measuring: Measuring, client: Any, repeat: int, progress: Prog
             if key == "cold":
                 client.evict_all()
             if key == "restart":
+                had = _settled(client, progress)
                 client.stop(force=True)
-                daemon_pids.add(int(client.start().get("pid") or 0))
+                restarted = client.start()
+                daemon_pids.add(int(restarted.get("pid") or 0))
+                if int(restarted.get("entries") or 0) < had:
+                    progress.say(f"the restarted daemon restored {restarted.get('entries')} of "
+                                 f"{had} entries; its log ends:\n{_log_tail(client.path)}")
             result = measuring.measure(cached=key != "plain")
             runs[key].append(result)
             progress.done(key, f"{label} {i + 1}/{repeat}: load {format_seconds(result['load'])}"
                                f", first touch {format_seconds(result['touch'])}"
                                f" ({result['outcome']})")
     return runs
+
+
+#: How long the restart row waits for the daemon to put what it stored on disk.
+SETTLE_SECONDS = 120.0
+
+
+def _settled(client: Any, progress: Progress) -> int:
+    """Wait until the daemon has every entry on disk (finished segments, copies made, no
+    refold running), so that the restart row restarts a cache as a user's would be, not one
+    stopped halfway through writing; the entries it has."""
+    deadline = time.monotonic() + SETTLE_SECONDS
+    said = False
+    while True:
+        status = client.status()
+        busy = (int(status.get("unsaved") or 0) + int(status.get("copying") or 0)
+                + int(status.get("refold_passes") or 0))
+        if busy == 0 or time.monotonic() > deadline:
+            return int(status.get("entries") or 0)
+        if not said:
+            progress.say("waiting for the daemon to finish writing its entries to disk")
+            said = True
+        time.sleep(0.05)
+
+
+def _log_tail(socket: Path, lines: int = 8) -> str:
+    try:
+        text = socket.with_name(socket.name + ".log").read_text(errors="replace")
+    except OSError as exc:
+        return f"  (no log: {exc})"
+    return "\n".join("  " + line for line in text.splitlines()[-lines:])
 
 
 def _report(runs: dict[str, list[dict[str, Any]]], imports: dict[str, float],
