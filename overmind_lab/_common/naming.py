@@ -11,7 +11,7 @@ import os
 import stat
 from pathlib import Path
 
-from overmind_lab._common.zygote_identity import runtime_dir_at_once
+from overmind_lab._common.zygote_identity import DAEMON_SOCKET, SOCKET_ENV, runtime_dir_at_once
 
 __all__ = [
     "SOCKET_ENV", "BUDGET_ENV", "CACHE_DIR_ENV", "MEMFD_PREFIX", "SEGMENT_SEALS",
@@ -19,7 +19,6 @@ __all__ = [
     "socket_path", "runtime_dir", "ensure_private_dir", "lock_path", "log_path",
 ]
 
-SOCKET_ENV = "OVERMIND_LAB_SOCKET"
 BUDGET_ENV = "OVERMIND_LAB_BUDGET"
 CACHE_DIR_ENV = "OVERMIND_LAB_CACHE_DIR"
 #: A memfd segment (the fallback tier) is named ``overmind-lab:<segment id>``: the daemon finds
@@ -56,7 +55,7 @@ def socket_path(override: str | os.PathLike[str] | None = None) -> Path:
     env = os.environ.get(SOCKET_ENV)
     if env:
         return Path(env)
-    return runtime_dir() / "daemon.sock"
+    return runtime_dir() / DAEMON_SOCKET
 
 
 def ensure_private_dir(path: Path) -> None:

@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
 __all__ = ["IMPORT_ENV_PREFIXES", "NOT_IMPORT_ENV", "ZYGOTE_IDLE_ENV", "ZYGOTE_BOOT_WAIT_ENV",
            "ZYGOTE_PACKAGE_CHECK_ENV", "TIMELINE_ENV", "import_env", "environment", "identity",
-           "runtime_dir_at_once", "socket_folder_at_once"]
+           "runtime_dir_at_once", "socket_folder_at_once", "SOCKET_ENV", "DAEMON_SOCKET",
+           "daemon_socket_at_once"]
 
 #: Environment variables (by prefix) that can change what an import does or which threads and
 #: devices it sets up: kernels whose values differ never share a zygote.
@@ -28,6 +29,11 @@ IMPORT_ENV_PREFIXES = (
     # the locale at interpreter start fixes the UTF-8 mode and the file system encoding
     "LANG", "LC_",
 )
+
+#: The daemon's socket: ``$OVERMIND_LAB_SOCKET``, else ``DAEMON_SOCKET`` in the runtime folder
+#: (``naming.socket_path``, :func:`daemon_socket_at_once`).
+SOCKET_ENV = "OVERMIND_LAB_SOCKET"
+DAEMON_SOCKET = "daemon.sock"
 
 #: Settings of the zygote's own life, not of what imports do (read in ``zygote_paths``): never
 #: part of the identity.
@@ -94,11 +100,22 @@ def runtime_dir_at_once(env: Mapping[str, str]) -> str | None:
     return None
 
 
+def daemon_socket_at_once(env: Mapping[str, str]) -> str | None:
+    """``naming.socket_path()`` where it is certain without ``pathlib`` or ``tempfile``:
+    ``$OVERMIND_LAB_SOCKET`` as given, else ``DAEMON_SOCKET`` in :func:`runtime_dir_at_once`;
+    ``None`` when not certain."""
+    override = env.get(SOCKET_ENV)
+    if override:
+        return override
+    folder = runtime_dir_at_once(env)
+    return None if folder is None else os.path.join(folder, DAEMON_SOCKET)
+
+
 def socket_folder_at_once(env: Mapping[str, str]) -> str | None:
     """``zygote_paths.zygote_dir(env)`` where it is certain without ``pathlib`` or ``tempfile``:
     the folder of ``$OVERMIND_LAB_SOCKET`` when that is absolute and plain (no ``.`` or ``..``
     part), else :func:`runtime_dir_at_once`; ``None`` when not certain."""
-    override = env.get("OVERMIND_LAB_SOCKET")
+    override = env.get(SOCKET_ENV)
     if not override:
         return runtime_dir_at_once(env)
     parts = override.split("/")

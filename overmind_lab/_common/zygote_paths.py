@@ -10,7 +10,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from overmind_lab._common.naming import ensure_private_dir, runtime_dir, socket_path
+from overmind_lab._common.naming import SOCKET_ENV, ensure_private_dir, runtime_dir, socket_path
 from overmind_lab._common.sizes import env_seconds
 from overmind_lab._common.zygote_identity import (
     IMPORT_ENV_PREFIXES,
@@ -67,7 +67,7 @@ def zygote_dir(env: Mapping[str, str] | None = None, create: bool = True) -> Pat
     """The directory of the zygote sockets, created (0700 when it is the per-user default) unless
     ``create`` is false."""
     env = os.environ if env is None else env
-    override = env.get("OVERMIND_LAB_SOCKET")
+    override = env.get(SOCKET_ENV)
     if override:
         path = socket_path(override).parent
         if create:

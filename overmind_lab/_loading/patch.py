@@ -154,11 +154,9 @@ def start_ahead() -> None:
         return
     # the usual case, a daemon listening, seen here without a thread: a thread started now would
     # hold the GIL for up to 5 ms of its imports before ``start()`` returns to the caller
-    from overmind_lab._common.zygote_identity import runtime_dir_at_once
+    from overmind_lab._common.zygote_identity import daemon_socket_at_once
 
-    override = os.environ.get("OVERMIND_LAB_SOCKET")
-    folder = None if override else runtime_dir_at_once(os.environ)
-    known = override or (folder and os.path.join(folder, "daemon.sock"))
+    known = daemon_socket_at_once(os.environ)
     if known and os.path.exists(known):
         return
 
