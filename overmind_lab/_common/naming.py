@@ -11,7 +11,12 @@ import os
 import stat
 from pathlib import Path
 
-from overmind_lab._common.zygote_identity import DAEMON_SOCKET, SOCKET_ENV, runtime_dir_at_once
+from overmind_lab._common.zygote_identity import (
+    DAEMON_SOCKET,
+    SOCKET_ENV,
+    daemon_socket_at_once,
+    runtime_dir_at_once,
+)
 
 __all__ = [
     "SOCKET_ENV", "BUDGET_ENV", "CACHE_DIR_ENV", "MEMFD_PREFIX", "SEGMENT_SEALS",
@@ -52,10 +57,8 @@ def socket_path(override: str | os.PathLike[str] | None = None) -> Path:
     """The daemon socket: ``override``, else ``$OVERMIND_LAB_SOCKET``, else the default."""
     if override is not None:
         return Path(override)
-    env = os.environ.get(SOCKET_ENV)
-    if env:
-        return Path(env)
-    return runtime_dir() / DAEMON_SOCKET
+    found = daemon_socket_at_once(os.environ)
+    return Path(found) if found is not None else runtime_dir() / DAEMON_SOCKET
 
 
 def ensure_private_dir(path: Path) -> None:
