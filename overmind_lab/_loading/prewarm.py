@@ -144,7 +144,7 @@ def start() -> None:
     import threading
 
     _thread = threading.Thread(target=_run, name="overmind-lab-prewarm", daemon=True)
-    _fork_hooks()
+    importing(_thread)
     _thread.start()
 
 
@@ -158,9 +158,9 @@ def _fork_hooks() -> None:
         _hooked = True
 
 
-#: Other threads of ours that import (``patch.start_ahead``'s, which imports the client as it
-#: starts the daemon): a fork while one imports is repaired in the child as for this thread
-#: (Note [A fork while the thread imports], 2), by their idents.
+#: The threads of ours that import: this module's thread and ``patch.start_ahead``'s (which
+#: imports the client as it starts the daemon); a fork while one imports is repaired in the
+#: child (Note [A fork while the thread imports], 2 and 5), by their idents.
 _importers: list[threading.Thread] = []
 
 
@@ -197,9 +197,9 @@ def wait(timeout: float | None = 5.0) -> None:
         thread.join(timeout)
 
 
-#: the thread's ident while it ran at the last fork (Note [A fork while the thread imports]),
-#: and those of the other importing threads then alive (5)
-_running_at_fork: int | None = None
+#: whether the thread ran at the last fork (Note [A fork while the thread imports]), and the
+#: idents of the importing threads then alive, the thread's among them (2, 5)
+_running_at_fork = False
 _importing_at_fork: list[int] = []
 
 
@@ -214,9 +214,9 @@ _FORK_WARNING = r"This process \(pid=\d+\) is multi-threaded, use of fork\(\)"
 def _before_fork() -> None:
     global _running_at_fork, _quiet_filter, _importing_at_fork
     thread = _thread
-    _running_at_fork = thread.ident if thread is not None and thread.is_alive() else None
+    _running_at_fork = thread is not None and thread.is_alive()
     _importing_at_fork = [t.ident for t in _importers if t.ident is not None and t.is_alive()]
-    if _running_at_fork is None or sys.version_info < (3, 12) or not _only_ours():
+    if not _running_at_fork or sys.version_info < (3, 12) or not _only_ours():
         return
     import warnings
 
@@ -258,14 +258,12 @@ def _after_fork_in_child() -> None:
     global _thread, _quiet_lock
     _quiet_lock = allocate_lock()  # 4: the vanished thread may hold the copy
     _unquiet()
-    _importers.clear()  # 5: none of them exists here
-    tid = _running_at_fork
-    for other in _importing_at_fork:
-        _let_go_of_imports(other)
-    if tid is None:
+    _importers.clear()  # none of them exists here
+    for tid in _importing_at_fork:
+        _let_go_of_imports(tid)
+    if not _running_at_fork:
         return
     _thread = None
-    _let_go_of_imports(tid)
     keys = sys.modules.get("overmind_lab._loading.keys")
     if keys is not None and hasattr(keys, "forget_prewarm"):
         keys.forget_prewarm()
