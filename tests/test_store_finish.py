@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from overmind_lab._common.saved import Corrupt, check_segment_file, trailer
+from overmind_lab._common.saved import Corrupt, check_segment_file, identity, trailer
 from overmind_lab._daemon import store as store_module
 from overmind_lab._daemon.store import Segment, Store
 
@@ -26,10 +26,14 @@ def store(tmp_path: Path) -> Iterator[Store]:
     opened.close()
 
 
-def _stored(store: Store) -> Segment:
-    seg, rw = store.create("a1", len(DATA))
+def _stored(store: Store, sid: str = "a1", link: Path | None = None) -> Segment:
+    """A segment written and committed (its stamp taken); ``link``: a hard link to its file,
+    made before the stamp (a link moves the ctime)."""
+    seg, rw = store.create(sid, len(DATA))
     try:
         os.pwrite(rw, DATA, 0)
+        if link is not None:
+            os.link(Path(str(store.dir), f"{sid}.tmp"), link)
     finally:
         os.close(rw)
     store.commit(seg)
@@ -74,3 +78,60 @@ def test_a_write_just_before_the_trailer_is_not_sealed(
     assert not seg.persisted
     store.discard(seg)
     assert not list((tmp_path / "cache").glob("a1.*"))
+
+
+
+class _FlipBeforeCall:
+    """``os`` for ``store``, but the owner flips a byte of ``path`` just before the ``at``-th
+    call ``finish`` makes of it (``fstat``, ``pwrite``, ``fsync``, ``fchmod``, ``rename``,
+    ``close``): every point between two of its steps, in turn."""
+
+    def __init__(self, path: Path, at: int) -> None:
+        self.path, self.at, self.calls = path, at, 0
+
+    def __getattr__(self, name: str) -> object:
+        real = getattr(os, name)
+        if name not in ("fstat", "pwrite", "fsync", "fchmod", "rename", "close"):
+            return real
+
+        def call(*args: object, **kwargs: object) -> object:
+            if self.calls == self.at:
+                fd = os.open(self.path, os.O_RDWR)  # the .seg name once renamed: by its inode
+                try:
+                    os.pwrite(fd, bytes([os.pread(fd, 1, 1000)[0] ^ 0x10]), 1000)
+                finally:
+                    os.close(fd)
+            self.calls += 1
+            return real(*args, **kwargs)
+        return call
+
+
+def test_a_write_between_any_two_steps_is_never_sealed_behind_a_matching_stamp(
+        store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever step of ``finish`` a write lands before, ``finish`` refuses the segment, or
+    the crc it sealed is of the bytes there, or the stamp it took no longer matches the file
+    (a hit then reads the checksum: Note [Checks before a hit]). The old ``finish`` sealed a
+    write before its trailer's ``pwrite``."""
+    outcomes = []
+    for at in range(12):
+        link = tmp_path / f"r{at}.link"  # the flip reaches the inode whatever its name is
+        seg = _stored(store, f"r{at}", link)
+        flipper = _FlipBeforeCall(link, at)
+        monkeypatch.setattr(store_module, "os", flipper)
+        try:
+            store.finish(seg)
+            outcome = "sealed"
+        except Corrupt:
+            outcome = "refused"
+        finally:
+            monkeypatch.setattr(store_module, "os", os)
+        if outcome == "sealed":
+            if identity(os.fstat(seg.fd)) != seg.stamp:
+                outcome = "stamp moved"
+            else:
+                data = os.pread(seg.fd, len(DATA), 0)
+                assert zlib.crc32(data) == seg.crc, f"flipped before call {at}: sealed"
+        outcomes.append(outcome if flipper.calls > at else "no flip")
+        store.discard(seg)
+        link.unlink()
+    assert outcomes[0] == "refused" and outcomes[-1] == "no flip", outcomes
