@@ -66,9 +66,11 @@ _status = {k: " ".join(v.split()) for k, _, v in
 _mask = sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, []))
 # (IPython's history thread may be committing now, in either kernel: SQLite holds the
 # journal open, and the folder holding the database while it syncs the journal's deletion)
-_hist = str(get_ipython().history_manager.hist_file)
+# (test_warm_scripts runs this as a script too: no IPython there)
+_ip = globals().get("get_ipython")
+_hist = str(_ip().history_manager.hist_file) if _ip is not None else None
 _fds = sorted(t for t in (_fd(int(f)) for f in os.listdir("/proc/self/fd"))
-              if t not in (_hist + "-journal", os.path.dirname(_hist)))
+              if _hist is None or t not in (_hist + "-journal", os.path.dirname(_hist)))
 _threads = len(os.listdir("/proc/self/task"))
 def _comms():
     return sorted(re.sub(r"\d+", "N", _read(f"/proc/self/task/{t}/comm").strip())
