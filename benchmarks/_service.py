@@ -89,13 +89,7 @@ class PrivateDaemon:
         """Until the daemon's background work is done: segments finished on disk and the index
         saved (``unsaved``), copies of held files made (``copying``: Note [A copy to serve]),
         held files refolded (``refolding``: Note [Refolding a held source])."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            status = self.client().status()
-            if not any(status.get(k) for k in ("unsaved", "copying", "refolding",
-                                               "refold_passes")):
-                return
-            time.sleep(0.05)
+        self.client().wait_settled(timeout, also=("refolding",))
 
     def kill_and_restart(self, before_start: Callable[[], object] | None = None
                          ) -> dict[str, Any]:

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from overmind_lab._common.display import format_seconds, text_table
-from overmind_lab._common.naming import CACHE_DIR_ENV, SOCKET_ENV, default_cache_dir
+from overmind_lab._common.naming import CACHE_DIR_ENV, SOCKET_ENV, default_cache_dir, log_path
 from overmind_lab._common.sizes import format_size
 from overmind_lab._errors import OvermindError
 
@@ -414,26 +414,21 @@ SETTLE_SECONDS = 120.0
 
 
 def _settled(client: Any, progress: Progress) -> int:
-    """Wait until the daemon has every entry on disk (finished segments, copies made, no
-    refold running), so that the restart row restarts a cache as a user's would be, not one
-    stopped halfway through writing; the entries it has."""
-    deadline = time.monotonic() + SETTLE_SECONDS
-    said = False
-    while True:
-        status = client.status()
-        busy = (int(status.get("unsaved") or 0) + int(status.get("copying") or 0)
-                + int(status.get("refold_passes") or 0))
-        if busy == 0 or time.monotonic() > deadline:
-            return int(status.get("entries") or 0)
-        if not said:
-            progress.say("waiting for the daemon to finish writing its entries to disk")
-            said = True
-        time.sleep(0.05)
+    """Wait until the daemon has every entry on disk (``Client.wait_settled``), so that the
+    restart row restarts a cache as a user's would be, not one stopped halfway through
+    writing; the entries it has."""
+    from overmind_lab._loading.client import UNSETTLED
+
+    status = client.status()
+    if any(status.get(k) for k in UNSETTLED):
+        progress.say("waiting for the daemon to finish writing its entries to disk")
+        status = client.wait_settled(SETTLE_SECONDS)
+    return int(status.get("entries") or 0)
 
 
 def _log_tail(socket: Path, lines: int = 8) -> str:
     try:
-        text = socket.with_name(socket.name + ".log").read_text(errors="replace")
+        text = log_path(socket).read_text(errors="replace")
     except OSError as exc:
         return f"  (no log: {exc})"
     return "\n".join("  " + line for line in text.splitlines()[-lines:])

@@ -57,7 +57,11 @@ if TYPE_CHECKING:
         WireEntry,
     )
 
-__all__ = ["Client", "Session"]
+__all__ = ["Client", "Session", "UNSETTLED"]
+
+#: Status counts of work the daemon still does on what it stored: segments being finished
+#: and the index not yet saved, copies of held files being made, refolds running.
+UNSETTLED = ("unsaved", "copying", "refold_passes")
 
 TIMEOUT = 30.0
 START_TIMEOUT = 30.0
@@ -192,6 +196,17 @@ class Client:
             return silent
         except (DaemonUnavailable, ProtocolError) as exc:
             return {"running": False, "socket": str(self.path), "error": str(exc)}
+
+    def wait_settled(self, timeout: float, also: tuple[str, ...] = ()) -> Status:
+        """Poll :meth:`status` every 50 ms until none of ``UNSETTLED`` (and ``also``) counts
+        anything, or ``timeout`` s passed; the last status."""
+        deadline = time.monotonic() + timeout
+        while True:
+            status = self.status()
+            if not any(status.get(k) for k in (*UNSETTLED, *also)) or \
+                    time.monotonic() >= deadline:
+                return status
+            time.sleep(0.05)
 
     def entries(self) -> list[EntryJson]:
         """Every cache entry with its statistics, most recently used first."""
