@@ -10,10 +10,11 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from overmind_lab._common.naming import SOCKET_ENV, ensure_private_dir, runtime_dir, socket_path
+from overmind_lab._common.naming import ensure_private_dir, runtime_dir, socket_path
 from overmind_lab._common.sizes import env_seconds
 from overmind_lab._common.zygote_identity import (
     IMPORT_ENV_PREFIXES,
+    SOCKET_ENV,
     TIMELINE_ENV,
     ZYGOTE_BOOT_WAIT_ENV,
     ZYGOTE_IDLE_ENV,
