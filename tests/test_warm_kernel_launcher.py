@@ -101,13 +101,17 @@ class Launched:
     """The kernelspec's argv run as a frontend runs it, and a bare client to its kernel."""
 
     def __init__(self, run_dir: Path, env: dict[str, str], name: str, *,
-                 python: str = sys.executable, ready_timeout: float = 120) -> None:
+                 python: str = sys.executable, ready_timeout: float = 120,
+                 connection_file: str | None = None) -> None:
+        """``connection_file``: one to use again (a restart's); default: a new one, new ports."""
         from jupyter_client.blocking import BlockingKernelClient
         from jupyter_client.connect import write_connection_file
 
-        self.connection_file, _ = write_connection_file(
-            fname=str(run_dir / f"{name}.json"), ip="127.0.0.1", key=os.urandom(16).hex()
-            .encode())
+        if connection_file is None:
+            connection_file, _ = write_connection_file(
+                fname=str(run_dir / f"{name}.json"), ip="127.0.0.1", key=os.urandom(16).hex()
+                .encode())
+        self.connection_file = connection_file
         argv = [a.replace("{connection_file}", self.connection_file)
                 for a in spec.kernel_json(python=python)["argv"]]
         assert argv[1:3] == LAUNCHER[1:] and argv[0] == python

@@ -317,11 +317,13 @@ class RefreshResult(TypedDict, total=False):
 # of ``_common.protocol``: ``fork`` `ForkRequest` + stdin, stdout, stderr fds -> `ForkReply` + a
 # pidfd, later one `ExitReport` on the same connection once reaped; ``status`` -> `ZygoteStatus`;
 # ``replace`` -> `ReplaceReply` (Note [Replacing a zygote]); ``owner`` -> `OkReply` (Note [Owners]);
-# ``check`` -> `OkReply` (Note [Checked while the old kernel exits]); any may be refused:
+# ``check`` -> `OkReply` (Note [Checked while the old kernel exits]); ``restart_standby``, from a
+# launcher's kernel told to restart -> `OkReply`, then the zygote forks its standby (Note [A
+# standby for the launcher's restart] in ``_forked/claim.py``); any may be refused:
 # `ZygoteRefusal` (``ok: false``, ``reason``).
 
 #: The zygote's operations, as the ``"op"`` of a request.
-ZygoteOp = Literal["fork", "status", "replace", "owner", "check"]
+ZygoteOp = Literal["fork", "status", "replace", "owner", "check", "restart_standby"]
 ZYGOTE_OPS: tuple[ZygoteOp, ...] = get_args(ZygoteOp)
 
 
@@ -347,10 +349,14 @@ class ForkRequest(TypedDict):
     #: as plain Python runs it; the child dies with the requester's connection (Note [A script
     #: dies with its run] in ``_zygote/loop.py``)
     script: NotRequired[bool]
+    #: the launcher's (``_launcher/stand_in.py``): the kernel asks for a standby when it is told
+    #: to restart, and this request claims one forked for an equal launch (Note [A standby for
+    #: the launcher's restart] in ``_forked/claim.py``)
+    launcher: NotRequired[bool]
 
 
 class ZygoteOpRequest(TypedDict):
-    op: Literal["status", "replace", "owner", "check"]
+    op: Literal["status", "replace", "owner", "check", "restart_standby"]
 
 
 ZygoteRequest = ForkRequest | ZygoteOpRequest
@@ -383,6 +389,8 @@ class ZygoteStatus(OkReply):
     forks: int
     last_fork_ms: float | None
     kernels: int  # alive now
+    standbys: int  # restart standbys of launchers' kernels, waiting now
+    standbys_claimed: int  # launches that took such a standby instead of a fork
     owners: list[int]
     uptime_seconds: float
     retiring: str | None

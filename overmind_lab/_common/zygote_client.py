@@ -9,21 +9,11 @@ import os
 import select
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
-from overmind_lab._common.messages import (
-    ExitReport,
-    ForkReply,
-    ForkRequest,
-    JsonObject,
-    ZygoteOpRequest,
-    ZygoteRefusal,
-    ZygoteReply,
-)
 from overmind_lab._common.protocol import Channel
 from overmind_lab._common.trust import Untrusted, check_folder, check_server
 from overmind_lab._common.zygote_paths import (
@@ -33,6 +23,17 @@ from overmind_lab._common.zygote_paths import (
     zygote_boot_wait_seconds,
 )
 from overmind_lab._errors import OvermindError
+
+if TYPE_CHECKING:  # the launcher's start imports no more than it needs (``cast`` takes names)
+    from overmind_lab._common.messages import (
+        ExitReport,
+        ForkReply,
+        ForkRequest,
+        JsonObject,
+        ZygoteOpRequest,
+        ZygoteRefusal,
+        ZygoteReply,
+    )
 
 __all__ = ["LAUNCHER_MODULE", "PLAIN_MODULE", "KERNEL_MODULE", "IPYKERNEL_MAINS", "is_ipykernel",
            "kernel_argv", "WarmUnavailable", "WarmKernel", "ask", "request_fork", "fork_here",
@@ -148,7 +149,7 @@ class WarmKernel:
             msg, fds = self.chan.recv()
             for fd in fds:
                 os.close(fd)
-            code = cast(ExitReport, msg).get("exit", -1)
+            code = cast("ExitReport", msg).get("exit", -1)
             return code if isinstance(code, int) else -1
         except (OvermindError, OSError, ValueError):
             return -1  # the zygote died too: the status is lost
@@ -181,7 +182,7 @@ def ask(sock_path: Path, request: ZygoteOpRequest, timeout: float = 5.0) -> Zygo
         reply, fds = chan.recv()
         for fd in fds:
             os.close(fd)
-        return cast(ZygoteReply, reply)
+        return cast("ZygoteReply", reply)
     finally:
         sock.close()
 
@@ -197,7 +198,7 @@ def check_early(cmd: list[str], env: dict[str, str]) -> tuple[str | None, int | 
     if reply.get("ok"):
         pid = reply.get("pid")
         return None, pid if isinstance(pid, int) else None
-    return str(cast(ZygoteRefusal, reply).get("reason") or "the zygote is stale"), None
+    return str(cast("ZygoteRefusal", reply).get("reason") or "the zygote is stale"), None
 
 
 def request_fork(cmd: list[str], env: dict[str, str], cwd: str,
@@ -205,14 +206,14 @@ def request_fork(cmd: list[str], env: dict[str, str], cwd: str,
                  attributes: JsonObject | None = None,
                  checked_since: float | None = None, standby: bool = False,
                  standby_wait: float | None = None, script: bool = False,
-                 boot_wait: float | None = None) -> WarmKernel:
+                 boot_wait: float | None = None, launcher: bool = False) -> WarmKernel:
     """Ask the zygote for ``cmd`` (blocking), starting one when none runs. ``attributes``
     (``inherit.observe()``) are what the kernel takes on; ``None``: the zygote's own.
     ``checked_since``: Note [Checked while the old kernel exits]. ``standby``: a kernel that
     waits for :meth:`WarmKernel.go` (Note [A standby for the restart]), at most
     ``standby_wait`` seconds (Note [A standby kept ready]). ``script``: ``overmind-lab run``'s
     child (``ForkRequest.script``). ``boot_wait``: the longest wait for a booting zygote (default:
-    Note [Waiting for a booting zygote])."""
+    Note [Waiting for a booting zygote]). ``launcher``: ``ForkRequest.launcher``."""
     if not sys.platform.startswith("linux"):
         raise WarmUnavailable(f"warm kernels need Linux (this is {sys.platform})")
     paths = ZygotePaths.for_launch(cmd[0], env)
@@ -228,6 +229,8 @@ def request_fork(cmd: list[str], env: dict[str, str], cwd: str,
         request["standby_wait"] = standby_wait
     if script:
         request["script"] = True
+    if launcher:
+        request["launcher"] = True
     for attempt in (1, 2):
         inode = _inode(paths.socket)
         try:
@@ -259,12 +262,12 @@ def request_fork(cmd: list[str], env: dict[str, str], cwd: str,
         for fd in fds:
             os.close(fd)
         sock.close()
-        reason = str(cast(ZygoteRefusal, reply).get("reason") or "no reason given")
+        reason = str(cast("ZygoteRefusal", reply).get("reason") or "no reason given")
         if "stale" in reason and not standby:  # a standby's launch asks again
             spawn(paths, owners=[os.getpid()], env=env, python=cmd[0])
             reason += "; started a fresh zygote for the next launch"
         raise WarmUnavailable(f"the zygote refused to fork: {reason}")
-    pid = cast(ForkReply, reply).get("pid")
+    pid = cast("ForkReply", reply).get("pid")
     if not isinstance(pid, int):
         for fd in fds:
             os.close(fd)
@@ -338,6 +341,8 @@ def spawn(paths: ZygotePaths, owners: list[int], env: dict[str, str],
     log_fd = os.open(paths.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
     try:
         # A shell backgrounds the zygote and exits: nobody's child, own session, no fd of ours.
+        import subprocess  # (only here: the launcher's start does without it)
+
         subprocess.run(["/bin/sh", "-c", 'exec "$@" &', "sh", *cmd], env=env, cwd="/",
                        stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
                        start_new_session=True, close_fds=True, check=True, timeout=10)

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 __all__ = ["IMPORT_ENV_PREFIXES", "NOT_IMPORT_ENV", "ZYGOTE_IDLE_ENV", "ZYGOTE_BOOT_WAIT_ENV",
            "ZYGOTE_PACKAGE_CHECK_ENV", "TIMELINE_ENV", "import_env", "environment", "identity",
            "runtime_dir_at_once", "socket_folder_at_once", "SOCKET_ENV", "DAEMON_SOCKET",
-           "daemon_socket_at_once"]
+           "daemon_socket_at_once", "RESTART_STANDBY_ENV"]
 
 #: Environment variables (by prefix) that can change what an import does or which threads and
 #: devices it sets up: kernels whose values differ never share a zygote.
@@ -41,8 +41,10 @@ ZYGOTE_IDLE_ENV = "OVERMIND_LAB_ZYGOTE_IDLE"
 ZYGOTE_BOOT_WAIT_ENV = "OVERMIND_LAB_ZYGOTE_BOOT_WAIT"
 ZYGOTE_PACKAGE_CHECK_ENV = "OVERMIND_LAB_ZYGOTE_PACKAGE_CHECK"
 TIMELINE_ENV = "OVERMIND_LAB_TIMELINE"
+#: How long a launcher's restart standby waits for its claim (``_forked/claim.py``).
+RESTART_STANDBY_ENV = "OVERMIND_LAB_RESTART_STANDBY_SECONDS"
 NOT_IMPORT_ENV = frozenset({ZYGOTE_IDLE_ENV, ZYGOTE_BOOT_WAIT_ENV, ZYGOTE_PACKAGE_CHECK_ENV,
-                            TIMELINE_ENV})
+                            TIMELINE_ENV, RESTART_STANDBY_ENV})
 
 
 def import_env(env: Mapping[str, str]) -> dict[str, str]:

@@ -39,7 +39,7 @@ from typing import Any, NoReturn
 from overmind_lab._common import inherit, learned
 from overmind_lab._common.exiting import exit_now, run_main
 from overmind_lab._common.zygote_client import is_ipykernel, read_pipe, timeline
-from overmind_lab._forked import ports
+from overmind_lab._forked import claim, ports
 
 __all__ = ["ForkTask", "run_and_exit", "run", "become", "exit_now", "tqdm_classes",
            "prepare_in_zygote", "path0", "is_main_importer", "INTENDED_DIFFERENCES"]
@@ -69,6 +69,11 @@ class ForkTask:
     #: ``overmind-lab run``'s child: ``argv`` is ``python SCRIPT ARGS`` or ``python -m MODULE
     #: ARGS``, run by ``_forked/script.py`` as plain Python runs it.
     script: bool = False
+    #: A launcher's kernel: the zygote's socket, asked for a standby on a restart (Note [A
+    #: standby for the launcher's restart] in ``_forked/claim.py``).
+    zygote_socket: str | None = None
+    #: That standby's: the claim arrives here, with the launcher's stdio and pidfd.
+    claim_fd: int | None = None
 
 
 
@@ -91,6 +96,10 @@ INTENDED_DIFFERENCES = (
     "exited (Note [A standby for the restart]); or it was forked a second after the old "
     "kernel's launch and waited, its config files checked unchanged at the restart (Note [A "
     "standby kept ready])",
+    "restarted through the launcher (VS Code), it was forked when the old kernel was asked to "
+    "shut down and read its command line and config files then; its launcher's stdio, "
+    "JPY_PARENT_PID and parent watch were handed to it when that launcher started (Note [A "
+    "standby for the launcher's restart])",
     "a preloaded numpy's BLAS thread pool (sized for the kernel: Note [BLAS threads]) runs "
     "from the start; a fresh kernel starts it when it imports numpy",
 )
@@ -449,7 +458,10 @@ def become(task: ForkTask) -> None:
               and not task.script)
     _reset_signals(ipykernel=kernel, ignored=task.inherit.get("ignored_signals", ()))
     os.chdir(task.cwd)
-    if kernel and task.go_fd is not None:  # Note [A standby for the restart]
+    if kernel and task.claim_fd is not None:  # Note [A standby for the launcher's restart]
+        claim.standby_until_claimed(task.claim_fd, task.argv[3:], task.env, task.go_wait,
+                                    _watch_parent)
+    elif kernel and task.go_fd is not None:  # Note [A standby for the restart]
         _standby_until_go(task)
     elif kernel:  # as early as the cwd allows: Note [Ports bound at the fork]
         ports.bind_kernel_ports(task.argv[3:])
@@ -479,6 +491,8 @@ def become(task: ForkTask) -> None:
     if kernel:
         _welcome_every_subscriber()
         _first_cell_waits_for_a_listener()
+        if task.zygote_socket:  # Note [A standby for the launcher's restart]
+            claim.ask_on_restart(task.zygote_socket, task.env)
     step("kernel")
     timeline("child.become", task.env, steps=steps)
 

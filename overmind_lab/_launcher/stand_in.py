@@ -48,7 +48,9 @@ def _fork(args: list[str]) -> Any:
 
     env = dict(os.environ)
     env["JPY_PARENT_PID"] = str(os.getpid())  # the stand-in is the kernel's parent
-    return fork_here([sys.executable, "-m", KERNEL_MODULE, *args], env, watch_parent=True)
+    # launcher: Note [A standby for the launcher's restart] (``_forked/claim.py``)
+    return fork_here([sys.executable, "-m", KERNEL_MODULE, *args], env, watch_parent=True,
+                     launcher=True)
 
 
 def _stand_in(kernel: Any) -> int:

@@ -15,6 +15,7 @@ boot lock allows one import per identity.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import gc
 import logging
@@ -58,7 +59,8 @@ from overmind_lab._common.zygote_paths import (
 from overmind_lab._forked import become
 from overmind_lab._forked import script as script_child
 from overmind_lab._forked.become import INTENDED_DIFFERENCES, ForkTask
-from overmind_lab._zygote import preload
+from overmind_lab._forked.claim import claim_seconds
+from overmind_lab._zygote import preload, restart
 
 __all__ = ["serve", "fork_refusal", "main"]
 
@@ -92,6 +94,9 @@ class _Child:
     #: ``overmind-lab run``'s: killed when its requester's connection closes (Note [A script
     #: dies with its run])
     script: bool = False
+    #: a launcher's kernel's launch, for its restart's standby (Note [A standby for the
+    #: launcher's restart] in ``_forked/claim.py``)
+    launch: ForkRequest | None = None
 
 
 @dataclass
@@ -127,6 +132,9 @@ class _State:
     own_checked: float = field(default_factory=time.monotonic)
     #: Note [Stopping a zygote]: SIGTERM came
     stopping: bool = False
+    #: Note [A standby for the launcher's restart]: pidfd -> a standby waiting for its claim
+    standbys: dict[int, restart.RestartStandby] = field(default_factory=dict)
+    standbys_claimed: int = 0
 
 
 def _threads() -> int:
@@ -331,6 +339,7 @@ def _status(state: _State) -> ZygoteStatus:
             {m.partition(".")[0] for m in state.preloaded}),
         "failed": state.failed, "refusal": state.refusal, "forks": state.forks,
         "last_fork_ms": state.last_fork_ms, "kernels": len(state.children),
+        "standbys": len(state.standbys), "standbys_claimed": state.standbys_claimed,
         "owners": sorted(state.owners), "uptime_seconds": time.time() - state.started,
         "retiring": state.retiring, "import_env": sorted(state.import_env),
         "differences": [*INTENDED_DIFFERENCES, *(
@@ -443,13 +452,22 @@ def _handle_fork(state: _State, conn: socket.socket, chan: Channel,
     the child never returns (Note [Leaving the zygote's loop] in ``_forked/become.py``)."""
     env = {str(k): str(v) for k, v in dict(request.get("env", {})).items()}
     standby = bool(request.get("standby"))
+    script = bool(request.get("script"))
     timeline("zygote.fork_request", env, standby=standby)
+    # Note [A standby for the launcher's restart] in ``_forked/claim.py``
+    launcher = (bool(request.get("launcher")) and not standby and not script
+                and is_ipykernel([str(a) for a in request.get("argv", [])]))
+    if launcher and len(fds) == 3:
+        taken = _claim_standby(state, request, env, fds, peer)
+        if taken is not None:
+            _adopt(state, conn, chan, taken.pid, peer, env, request, pidfd=taken.pidfd)
+            log.info("kernel %d for %d: a restart standby, claimed", taken.pid, peer)
+            return
     # Note [A standby for the restart]: a standby's files are checked right after its fork
     why = _refuse(state, request, env, check_files=not standby)
     if not standby:
         timeline("zygote.checked", env, files=len(state.snap),
                  checked_since=request.get("checked_since"), checked_at=state.checked_at)
-    script = bool(request.get("script"))
     if not why and standby and (script or not is_ipykernel(request["argv"])):
         why = "a standby kernel needs ipykernel's command (python -m ipykernel_launcher ...)"
     if why or len(fds) != 3:
@@ -476,22 +494,11 @@ def _handle_fork(state: _State, conn: socket.socket, chan: Channel,
         preloaded=frozenset(state.preloaded),
         inherit=task_inherit, ready_fd=ready_w, go_fd=go_r, go_wait=_standby_wait(request),
         # Note [Environment set at import]: a script that imports no kernel package gets none
-        start_env={} if script else state.start_env, script=script)
-    # Note [Interrupted at birth] in ``_forked/become.py``: the child unblocks SIGINT; and
-    # SIGTERM, once its disposition is the default again (Note [Stopping a zygote]).
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT, signal.SIGTERM])
-    t0 = time.perf_counter()
-    pid = os.fork()
-    if pid == 0:
-        os.close(ready_r)
-        if go_w is not None:
-            os.close(go_w)  # or the child would never see its requester go away
-        _close_for_child(state, keep=[*fds, *([parent_pidfd] if parent_pidfd else [])])
-        # the routes out of the zygote: they never return
-        (script_child.run_and_exit if script else become.run_and_exit)(task)
-    state.last_fork_ms = (time.perf_counter() - t0) * 1000
-    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-    timeline("zygote.forked", env, kernel=pid, fork_ms=state.last_fork_ms)
+        start_env={} if script else state.start_env, script=script,
+        zygote_socket=str(state.paths.socket) if launcher else None)
+    # go_w: or the child would never see its requester go away
+    pid = _fork(state, task, close=[ready_r, *([go_w] if go_w is not None else [])],
+                keep=[*fds, *([parent_pidfd] if parent_pidfd else [])])
     os.close(ready_w)
     for fd in fds:
         os.close(fd)
@@ -499,18 +506,9 @@ def _handle_fork(state: _State, conn: socket.socket, chan: Channel,
         os.close(parent_pidfd)
     if go_r is not None:
         os.close(go_r)
-        # Note [A standby for the restart]: checked while the child starts; a stale zygote's
-        # standby is killed before anything of the user's ran in it (it waits for go first).
-        stale = _check_stale(state)
-        timeline("zygote.checked", env, files=len(state.snap), checked_since=None,
-                 checked_at=state.checked_at)
-        if stale:
-            os.kill(pid, signal.SIGKILL)  # not reaped yet: the pid is still this child's
+        not_ready = _standby_ready(state, pid, ready_r, env)
     else:
-        stale = None
-    not_ready = stale or _await_ready(ready_r)
-    if stale:
-        os.close(ready_r)
+        not_ready = _await_ready(ready_r)
     if not_ready and go_w is not None:
         os.close(go_w)
     if not_ready:
@@ -519,14 +517,26 @@ def _handle_fork(state: _State, conn: socket.socket, chan: Channel,
         _refused(chan, not_ready)
         return
     state.forks += 1
-    pidfd = os.pidfd_open(pid)
+    _adopt(state, conn, chan, pid, peer, env, request, go_w=go_w,
+           fork_ms=state.last_fork_ms or 0.0)
+    log.info("forked kernel %d for %d in %.1f ms", pid, peer, state.last_fork_ms)
+
+
+def _adopt(state: _State, conn: socket.socket, chan: Channel, pid: int, peer: int,
+           env: dict[str, str], request: ForkRequest, pidfd: int | None = None,
+           go_w: int | None = None, fork_ms: float = 0.0) -> None:
+    """The child ``pid`` is now the kernel (or script) of the requester ``peer``: the reply carries
+    its pidfd (and a standby's ``go_w``), its exit is reported on ``conn``."""
+    script = bool(request.get("script"))
+    if pidfd is None:
+        pidfd = os.pidfd_open(pid)
     _add_owner(state, peer)
-    child = _Child(pid, pidfd, conn, script)
+    child = _Child(pid, pidfd, conn, script, request if request.get("launcher") else None)
     state.children[pidfd] = child
     if script:
         state.requesters[conn.fileno()] = child
     state.conns.pop(conn.fileno(), None)
-    reply: ForkReply = {"ok": True, "pid": pid, "fork_ms": state.last_fork_ms}
+    reply: ForkReply = {"ok": True, "pid": pid, "fork_ms": fork_ms}
     try:
         chan.send(reply, [pidfd] if go_w is None else [pidfd, go_w])
     except OSError:
@@ -536,8 +546,132 @@ def _handle_fork(state: _State, conn: socket.socket, chan: Channel,
         if go_w is not None:
             os.close(go_w)
     timeline("zygote.fork_reply", env, kernel=pid)
-    log.info("forked kernel %d for %d in %.1f ms", pid, peer, state.last_fork_ms)
     state.forked_at = time.monotonic()  # Note [A renewal waits for a pause]
+
+
+def _claim_standby(state: _State, request: ForkRequest, env: dict[str, str], fds: list[int],
+                   peer: int) -> restart.RestartStandby | None:
+    """Note [A standby for the launcher's restart]: the standby forked for a launch equal to
+    ``request``, now holding copies of its stdio ``fds`` (then closed here) and its launcher's
+    parent watch; ``None`` (``fds`` left open, any other standby of that launch let go) when
+    there is none or it could not take the launch over."""
+    argv = [str(a) for a in request.get("argv", [])]
+    standby = next((s for s in state.standbys.values() if s.launch.get("argv") == argv), None)
+    if standby is None:
+        return None
+    del state.standbys[standby.pidfd]
+    # its files were checked at its fork, as the provisioner's standby's (Note [A standby for
+    # the restart])
+    why = restart.differs(standby.launch, request) or _refuse(state, request, env,
+                                                              check_files=False)
+    if why is None:
+        parent_pidfd = None
+        if request.get("watch_parent"):
+            with contextlib.suppress(OSError):
+                parent_pidfd = os.pidfd_open(peer)
+        try:
+            why = restart.claim(standby, request, fds, parent_pidfd)
+        finally:
+            if parent_pidfd is not None:
+                os.close(parent_pidfd)
+    timeline("zygote.claim", env, kernel=standby.pid, refused=why)
+    if why is not None:
+        log.info("restart standby %d not taken: %s", standby.pid, why)
+        restart.drop(standby)
+        return None
+    standby.sock.close()
+    for fd in fds:
+        os.close(fd)
+    state.standbys_claimed += 1
+    return standby
+
+
+def _fork_restart_standby(state: _State, chan: Channel, peer: int) -> None:
+    """Note [A standby for the launcher's restart]: the launcher's kernel ``peer`` was told to
+    restart; acknowledge at once, then fork a standby for its launch."""
+    child = next((c for c in state.children.values() if c.pid == peer and c.launch), None)
+    why = _retiring(state) or state.refusal or (
+        None if child is not None else "the requester is no launcher's kernel of this zygote")
+    if why or child is None or child.launch is None:
+        _refused(chan, why or "no launch")
+        return
+    ok: OkReply = {"ok": True}
+    chan.send(ok)
+    launch = child.launch
+    for old in [s for s in state.standbys.values() if s.launch.get("argv") == launch["argv"]]:
+        del state.standbys[old.pidfd]
+        restart.drop(old)
+    why = fork_refusal()
+    env = {str(k): str(v) for k, v in dict(launch.get("env", {})).items()}
+    timeline("zygote.restart_standby", env, kernel=peer, refused=why)
+    if why:
+        log.info("no restart standby for kernel %d: %s", peer, why)
+        return
+    wanted = launch.get("inherit")
+    task_inherit = dict(wanted) if isinstance(wanted, dict) else {}
+    # placeholders until the claim: what it prints meanwhile is kept for the launcher's stdio
+    stdio = [os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC),
+             os.memfd_create("overmind-lab-standby-stdout", os.MFD_CLOEXEC),
+             os.memfd_create("overmind-lab-standby-stderr", os.MFD_CLOEXEC)]
+    ours, theirs_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    theirs = theirs_sock.detach()  # the child's socket object owns it
+    ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
+    wait = claim_seconds()
+    task = ForkTask(
+        argv=[str(a) for a in launch["argv"]], env=env,
+        cwd=str(launch.get("cwd") or os.getcwd()), stdio=stdio, parent_pidfd=None,
+        thread_targets=_targets_for(state, task_inherit), learned_path=state.paths.learned,
+        preloaded=frozenset(state.preloaded), inherit=task_inherit, ready_fd=ready_w,
+        go_wait=wait, start_env=state.start_env,
+        zygote_socket=str(state.paths.socket), claim_fd=theirs)
+    pid = _fork(state, task, close=[ready_r, ours.fileno()], keep=[*stdio, theirs])
+    for fd in (ready_w, *stdio, theirs):
+        os.close(fd)
+    not_ready = _standby_ready(state, pid, ready_r, env)
+    if not_ready:
+        _reap_unready(pid)
+        ours.close()
+        log.info("restart standby %d for kernel %d could not start: %s", pid, peer, not_ready)
+        return
+    pidfd = os.pidfd_open(pid)
+    # it exits by itself after its wait; let go of it a little later in any case
+    state.standbys[pidfd] = restart.RestartStandby(pid, pidfd, launch, ours,
+                                                   time.monotonic() + wait + 5.0)
+    log.info("restart standby %d forked for kernel %d", pid, peer)
+
+
+def _standby_ready(state: _State, pid: int, ready_r: int, env: dict[str, str]) -> str | None:
+    """A standby just forked: why it cannot start (then reap it), or ``None``. Note [A standby
+    for the restart]: the zygote's files are checked while the child starts; a stale zygote's
+    standby is killed before anything of the user's ran in it (it waits for its go first)."""
+    stale = _check_stale(state)
+    timeline("zygote.checked", env, files=len(state.snap), checked_since=None,
+             checked_at=state.checked_at)
+    if stale:
+        os.kill(pid, signal.SIGKILL)  # not reaped yet: the pid is still this child's
+        os.close(ready_r)
+        return stale
+    return _await_ready(ready_r)
+
+
+def _fork(state: _State, task: ForkTask, close: list[int], keep: list[int]) -> int:
+    """Fork the child for ``task``; its pid. The child closes ``close`` and every descriptor of
+    the zygote's but ``keep``, and never returns (Note [Leaving the zygote's loop])."""
+    # Note [Interrupted at birth] in ``_forked/become.py``: the child unblocks SIGINT; and
+    # SIGTERM, once its disposition is the default again (Note [Stopping a zygote]).
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT, signal.SIGTERM])
+    t0 = time.perf_counter()
+    pid = os.fork()
+    if pid == 0:
+        for fd in close:
+            os.close(fd)
+        _close_for_child(state, keep=keep)
+        # the routes out of the zygote: they never return
+        (script_child.run_and_exit if task.script else become.run_and_exit)(task)
+    state.last_fork_ms = (time.perf_counter() - t0) * 1000
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    timeline("zygote.forked", task.env, kernel=pid, fork_ms=state.last_fork_ms)
+    return pid
 
 
 def _reap_unready(pid: int) -> None:
@@ -610,6 +744,9 @@ def _close_for_child(state: _State, keep: list[int]) -> None:
     for child in state.children.values():
         os.close(child.pidfd)
         child.conn.close()
+    for standby in state.standbys.values():
+        os.close(standby.pidfd)
+        standby.sock.close()
     for fd in state.owners.values():
         if fd not in keep:
             os.close(fd)
@@ -689,6 +826,8 @@ def _serve_conn(state: _State, conn: socket.socket) -> None:
         _add_owner(state, peer)
         ok: OkReply = {"ok": True}
         chan.send(ok)
+    elif op == "restart_standby":
+        _fork_restart_standby(state, chan, peer)
     elif op == "check":
         why = _retiring(state) or _check_stale(state)
         if why:
@@ -752,13 +891,16 @@ def _loop(state: _State) -> None:
         poller = select.poll()
         if not state.retiring:
             poller.register(state.listener, select.POLLIN)
-        for fd in (*state.conns, *state.children, *state.owners.values(), *state.requesters):
+        for fd in (*state.conns, *state.children, *state.owners.values(), *state.requesters,
+                   *state.standbys):
             poller.register(fd, select.POLLIN)
         for fd, _ in poller.poll(_TICK_MS):
             if fd == state.listener.fileno():
                 _accept(state)
             elif fd in state.children:
                 _reap(state, fd)
+            elif fd in state.standbys:  # it exited unclaimed
+                restart.drop(state.standbys.pop(fd))
             elif fd in state.requesters:
                 _requester_gone(state, fd)
             elif fd in state.conns:
@@ -768,6 +910,8 @@ def _loop(state: _State) -> None:
                     if pfd == fd:
                         del state.owners[pid]
                         os.close(pfd)
+        for standby in [s for s in state.standbys.values() if time.monotonic() > s.until]:
+            restart.drop(state.standbys.pop(standby.pidfd))
         if state.retiring and not _replaced(state):
             _unlink_own_socket(state)
         if (state.forked_at is not None

@@ -1,0 +1,190 @@
+"""In a forked kernel launched through the launcher: a standby for its restart.
+
+Note [A standby for the launcher's restart]: where a frontend runs the warm kernelspec's argv
+itself (VS Code, jupyter_client's ``LocalProvisioner``), no code of ours sees a restart coming:
+the frontend asks the kernel to shut down (``shutdown_request`` with ``restart: true``), polls
+the launcher's process until it is gone (jupyter_client every 100 ms), and runs the argv again.
+The new launcher then asked the zygote for a fork, ~150 ms after the request, and the kernel
+spent ~130 ms more on ipykernel's start before its first cell. The old kernel does see the
+request. So:
+
+1. A kernel the launcher asked for (``ForkRequest.launcher``) knows its zygote's socket
+   (``ForkTask.zygote_socket``). Told to shut down for a restart, it asks the zygote for a
+   standby (``{"op": "restart_standby"}``) before it replies, and goes on with its shutdown
+   once the zygote acknowledged (1-2 ms; the zygote forks after that).
+2. The zygote forks the standby from the old kernel's own launch (command, env, cwd, process
+   attributes), with ``/dev/null`` and two memory files in place of stdio and one end of a
+   socket pair; it checks its preloaded files while the standby starts (Note [Checked while the
+   old kernel exits]). The standby becomes the kernel and runs ipykernel up to
+   ``IPKernelApp.init_sockets``, as the provisioner's standby does (Note [A standby for the
+   restart]): nothing of the user's has run by then.
+3. The new launcher's fork request claims it when it equals the launch the standby was forked
+   for, the launcher's own ``JPY_PARENT_PID`` aside (``_zygote/restart.py``). The zygote sends
+   the standby the launcher's stdin, stdout, stderr and a pidfd of the launcher; the standby
+   checks that the connection file still says what ipykernel read from it (ports, key,
+   address), writes what it printed so far to the new stdout and stderr, puts the new
+   descriptors in place, sets ``JPY_PARENT_PID``, starts the parent watch, binds its ports
+   (Note [Ports bound at the fork]) and answers. The launcher gets the standby's pid and pidfd as
+   it would a fork's, and its exit report on the same connection.
+4. A standby nobody claims within ``claim_seconds()`` (30 s, or
+   ``$OVERMIND_LAB_RESTART_STANDBY_SECONDS`` in the zygote's environment), one whose zygote
+   went away, or one whose check failed exits unstarted (``os._exit(0)``: no ``atexit``, no
+   learned modules); the zygote then forks the launch as before.
+
+What a user can observe: a restarted kernel parsed its command line and read its config files
+while the old kernel shut down, tens of milliseconds before its launcher started; its process
+start time is then.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from overmind_lab._common.protocol import Channel
+from overmind_lab._common.sizes import env_seconds
+from overmind_lab._common.zygote_client import ask, timeline
+from overmind_lab._common.zygote_identity import RESTART_STANDBY_ENV
+from overmind_lab._errors import OvermindError
+from overmind_lab._forked import ports
+
+__all__ = ["claim_seconds", "ask_on_restart", "standby_until_claimed"]
+
+#: How long a restart's standby waits for the new launcher's claim, by default, and the variable
+#: of the zygote's environment that says otherwise.
+CLAIM_SECONDS = 30.0
+#: How long a claimed standby may still take to reach its sockets before it refuses.
+_READY_SECONDS = 10.0
+#: The old kernel's wait for the zygote's acknowledgement.
+_ASK_SECONDS = 1.0
+#: The connection file's entries ipykernel read, and the app's attributes that hold them.
+_PORTS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
+
+
+def claim_seconds() -> float:
+    """How long a restart's standby waits for its claim (read in the zygote)."""
+    return env_seconds(RESTART_STANDBY_ENV, CLAIM_SECONDS)
+
+
+def ask_on_restart(zygote_socket: str, env: dict[str, str]) -> None:
+    """Wrap ``IPythonKernel.do_shutdown``: a shutdown for a restart asks the zygote on
+    ``zygote_socket`` for a standby first (step 1)."""
+    from pathlib import Path
+
+    kernel_cls: Any = sys.modules["ipykernel.ipkernel"].IPythonKernel
+    original = kernel_cls.do_shutdown
+
+    def do_shutdown(self: Any, restart: bool) -> Any:
+        if restart:
+            timeline("child.asks_standby", env)
+            with contextlib.suppress(OvermindError, OSError, ValueError):
+                ask(Path(zygote_socket), {"op": "restart_standby"}, timeout=_ASK_SECONDS)
+        return original(self, restart)
+
+    kernel_cls.do_shutdown = do_shutdown
+
+
+def _connection_changed(app: Any, args: list[str]) -> str | None:
+    """Why the connection file no longer says what ``app`` read from it, or ``None``."""
+    path = ports.connection_file(args)
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            info = json.load(f)
+    except (OSError, ValueError) as exc:
+        return f"its connection file cannot be read again ({exc})"
+    if not isinstance(info, dict):
+        return "its connection file is not a JSON object"
+    # as jupyter_client's ``load_connection_info`` set them
+    expected: dict[str, Any] = {name: getattr(app, name) for name in _PORTS}
+    expected["transport"] = app.transport
+    expected["ip"] = app.ip
+    expected["key"] = bytes(app.session.key).decode(errors="replace")
+    expected["signature_scheme"] = app.session.signature_scheme
+    for name, value in expected.items():
+        if name in info and info[name] != value:
+            return f"its connection file's {name} changed"
+    return None
+
+
+def _take_over(claim: dict[str, Any], fds: list[int], watch_parent: Callable[[int], None]) -> None:
+    """Step 3: the launcher's stdio in place of the placeholders (what they hold written to it
+    first), its pid as ``JPY_PARENT_PID``, its pidfd watched."""
+    for target, fd in enumerate(fds[:3]):
+        if target:
+            held = os.pread(target, max(os.fstat(target).st_size, 0), 0)
+            with contextlib.suppress(OSError):
+                while held:
+                    held = held[os.write(fd, held):]
+        os.dup2(fd, target)
+        os.close(fd)
+    parent = claim.get("parent_pid")
+    if isinstance(parent, str) and parent:
+        os.environ["JPY_PARENT_PID"] = parent
+    if len(fds) > 3 and os.environ.get("JPY_PARENT_PID"):
+        watch_parent(fds[3])
+    elif len(fds) > 3:
+        os.close(fds[3])
+
+
+def standby_until_claimed(claim_fd: int, args: list[str], env: dict[str, str], wait: float,
+                          watch_parent: Callable[[int], None]) -> None:
+    """Steps 2-4 in the standby: ipykernel runs up to ``init_sockets`` and waits there until a
+    launcher claims it on ``claim_fd`` (then it takes the launch over and binds its ports), or
+    exits unstarted."""
+    app_cls: Any = sys.modules["ipykernel.kernelapp"].IPKernelApp
+    original = app_cls.__dict__["init_sockets"]
+    sock = socket.socket(fileno=claim_fd)
+    apps: list[Any] = []
+    at_sockets = threading.Event()
+    claimed: list[list[int]] = []
+
+    def wait_for_claim() -> None:
+        chan = Channel(sock, wait)
+        fds: list[int] = []
+        try:
+            frame, fds = chan.recv()
+            timeline("child.claim", env)
+            if not at_sockets.wait(_READY_SECONDS):
+                why: str | None = "the standby did not reach its sockets in time"
+            elif len(fds) < 3:
+                why = "the claim carried no stdio"
+            else:
+                why = _connection_changed(apps[0], args)
+            if why is None:
+                _take_over(dict(frame), fds, watch_parent)
+                fds = []
+                bound = ports.bind_kernel_ports(args)
+                chan.send({"ok": True})
+                claimed.append(bound)
+                timeline("child.claimed", ports=bound)
+            else:
+                chan.send({"ok": False, "reason": why})
+        except (OvermindError, OSError):
+            pass  # no claim in time, or the zygote went away: exit unstarted
+        finally:
+            for fd in fds:
+                os.close(fd)
+            sock.close()
+
+    waiter = threading.Thread(target=wait_for_claim, name="overmind-lab-standby", daemon=True)
+    waiter.start()
+
+    def init_sockets(self: Any) -> None:
+        app_cls.init_sockets = original  # the class as ipykernel made it, from here on
+        apps.append(self)
+        at_sockets.set()
+        timeline("child.standby", env)
+        waiter.join()  # gone before ipykernel starts a thread of its own
+        if not claimed:
+            os._exit(0)
+        original(self)
+
+    app_cls.init_sockets = init_sockets
