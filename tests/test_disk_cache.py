@@ -20,6 +20,7 @@ import pytest
 
 from overmind_lab import Client, DaemonUnavailable
 from overmind_lab._daemon.store import Store
+from overmind_lab._loading.client import UNSETTLED
 from tests.conftest import last_json, run_py, save_tiny_unet, wait_for_exit
 from tests.test_load import LOAD_UNET, plain_digest
 
@@ -56,14 +57,9 @@ def wait_saved(client: Client, timeout: float = 30) -> dict[str, object]:
     """Wait until every segment is finished on disk, the index is saved, copies of held
     files are made (Note [A copy to serve]) and no refold runs (Note [Refolding a held
     source])."""
-    deadline = time.monotonic() + timeout
-    while True:
-        status = client.status()
-        if status["unsaved"] == 0 and status.get("copying", 0) == 0 and \
-                status.get("refold_passes", 0) == 0:
-            return status
-        assert time.monotonic() < deadline, status
-        time.sleep(0.05)
+    status = client.wait_settled(timeout)
+    assert not any(status.get(k) for k in UNSETTLED), status
+    return dict(status)
 
 
 def kill_and_restart(client: Client) -> dict[str, object]:
