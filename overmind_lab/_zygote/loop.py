@@ -422,9 +422,25 @@ def _refuse(state: _State, request: ForkRequest, env: dict[str, str],
     return fork_refusal()
 
 
-def _await_ready(fd: int) -> str | None:
-    """What the child wrote on its ready pipe: ``None`` for "ok", else why it exited."""
-    data = read_pipe(fd, _READY_TIMEOUT)
+def _await_ready(state: _State, fd: int) -> str | None:
+    """What the child wrote on its ready pipe: ``None`` for "ok", else why it exited. Kernels
+    that exit meanwhile are reaped at once: a restart's old kernel exits while its standby
+    starts, and its launcher exits only once the exit report came (jupyter_client polls for
+    that every 100 ms; a report after 1 s is lost)."""
+    deadline = time.monotonic() + _READY_TIMEOUT
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    for pidfd in state.children:
+        poller.register(pidfd, select.POLLIN)
+    while (left := deadline - time.monotonic()) > 0:
+        fired = [f for f, _ in poller.poll(left * 1000)]
+        if fd in fired:
+            break
+        for pidfd in fired:
+            poller.unregister(pidfd)
+            if pidfd in state.children:
+                _reap(state, pidfd)
+    data = read_pipe(fd, max(deadline - time.monotonic(), 1.0))
     if data is None:
         return f"the forked kernel did not start within {_READY_TIMEOUT:.0f} s"
     if data == b"ok":
@@ -508,7 +524,7 @@ def _handle_fork(state: _State, conn: socket.socket, chan: Channel,
         os.close(go_r)
         not_ready = _standby_ready(state, pid, ready_r, env)
     else:
-        not_ready = _await_ready(ready_r)
+        not_ready = _await_ready(state, ready_r)
     if not_ready and go_w is not None:
         os.close(go_w)
     if not_ready:
@@ -651,7 +667,7 @@ def _standby_ready(state: _State, pid: int, ready_r: int, env: dict[str, str]) -
         os.kill(pid, signal.SIGKILL)  # not reaped yet: the pid is still this child's
         os.close(ready_r)
         return stale
-    return _await_ready(ready_r)
+    return _await_ready(state, ready_r)
 
 
 def _fork(state: _State, task: ForkTask, close: list[int], keep: list[int]) -> int:
