@@ -180,20 +180,31 @@ def test_a_launch_with_another_environment_gets_a_kernel_of_its_own(
     assert start_time(facts["pid"]) >= start_time(k.proc.pid)
 
 
-def test_new_ports_at_the_restart_get_a_kernel_of_its_own(lab: Path, frontend: Frontend) -> None:
+def test_new_ports_at_the_restart_get_a_kernel_of_its_own(
+        lab: Path, request: pytest.FixtureRequest) -> None:
+    """The file is rewritten once the standby read it (it waits at its sockets): a standby that
+    read the new file would rightly be claimed, as it then listens where the file says."""
     from jupyter_client.connect import write_connection_file
 
-    claimed = status(lab)["standbys_claimed"]
+    timeline = lab / "ports-timeline.jsonl"
+    f = Frontend(lab, request.node.name[:40], OVERMIND_LAB_TIMELINE=str(timeline))
+    try:
+        claimed = status(lab)["standbys_claimed"]
+        since = time.time()
 
-    def new_ports() -> None:
-        Path(frontend.k.connection_file).unlink()
-        write_connection_file(fname=frontend.k.connection_file, ip="127.0.0.1",
-                              key=os.urandom(16).hex().encode())
+        def new_ports() -> None:
+            _wait_until(lambda: event_after(timeline, since, "child.standby") is not None,
+                        "the standby at its sockets")
+            Path(f.k.connection_file).unlink()
+            write_connection_file(fname=f.k.connection_file, ip="127.0.0.1",
+                                  key=os.urandom(16).hex().encode())
 
-    k, _ = frontend.restart(before_launch=new_ports)  # the client reads the new file
-    assert k.json(FACTS)["forked"]
-    assert status(lab)["standbys_claimed"] == claimed
-    assert status(lab)["standbys"] == 0
+        k, _ = f.restart(before_launch=new_ports)  # its client reads the new file
+        assert k.json(FACTS)["forked"]
+        assert status(lab)["standbys_claimed"] == claimed
+        assert status(lab)["standbys"] == 0
+    finally:
+        f.close()
 
 
 def test_an_unclaimed_standby_exits_by_itself(lab: Path, request: pytest.FixtureRequest) -> None:
@@ -220,15 +231,22 @@ def test_an_unclaimed_standby_exits_by_itself(lab: Path, request: pytest.Fixture
         f.close()
 
 
-def standby_of(timeline: Path, since: float) -> int | None:
-    """The pid of the standby forked after ``zygote.restart_standby`` at ``since`` or later."""
-    asked = False
+def event_after(timeline: Path, since: float, name: str,
+                after: str | None = None) -> dict[str, Any] | None:
+    """The first event ``name`` at ``since`` or later (and after an event ``after``, if given)."""
+    seen = after is None
     with contextlib.suppress(FileNotFoundError):
         for line in timeline.read_text().splitlines():
             event = json.loads(line)
             if event["t"] < since:
                 continue
-            asked = asked or event["event"] == "zygote.restart_standby"
-            if asked and event["event"] == "zygote.forked":
-                return int(event["kernel"])
+            if seen and event["event"] == name:
+                return dict(event)
+            seen = seen or event["event"] == after
     return None
+
+
+def standby_of(timeline: Path, since: float) -> int | None:
+    """The pid of the standby forked after ``zygote.restart_standby`` at ``since`` or later."""
+    event = event_after(timeline, since, "zygote.forked", after="zygote.restart_standby")
+    return None if event is None else int(event["kernel"])

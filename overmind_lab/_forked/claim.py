@@ -22,9 +22,11 @@ request. So:
    for, the launcher's own ``JPY_PARENT_PID`` aside (``_zygote/restart.py``). The zygote sends
    the standby the launcher's stdin, stdout, stderr and a pidfd of the launcher; the standby
    checks that the connection file still says what ipykernel read from it (ports, key,
-   address), writes what it printed so far to the new stdout and stderr, puts the new
-   descriptors in place, sets ``JPY_PARENT_PID``, starts the parent watch, binds its ports
-   (Note [Ports bound at the fork]) and answers. The launcher gets the standby's pid and pidfd as
+   address: a file rewritten before the standby read it is what it listens on, and one that
+   was missing then leaves its ports unset, which no file matches), writes what it printed so
+   far to the new stdout and stderr, puts the new descriptors in place, sets
+   ``JPY_PARENT_PID``, starts the parent watch, binds its ports (Note [Ports bound at the
+   fork]) and answers. The launcher gets the standby's pid and pidfd as
    it would a fork's, and its exit report on the same connection.
 4. A standby nobody claims within ``claim_seconds()`` (30 s, or
    ``$OVERMIND_LAB_RESTART_STANDBY_SECONDS`` in the zygote's environment), one whose zygote
