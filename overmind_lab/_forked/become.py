@@ -31,7 +31,7 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -377,29 +377,16 @@ def _standby_until_go(task: ForkTask) -> None:
     fork]), so that the server's sockets, which connect right after the launch, are not refused
     and left to libzmq's 100-200 ms reconnect timer. Without ``go`` the child exits at once and
     quietly: nothing of the user's has run. More in docs/notes.md."""
-    app_cls: Any = sys.modules["ipykernel.kernelapp"].IPKernelApp
-    original = app_cls.__dict__["init_sockets"]
     go_fd = task.go_fd
     assert go_fd is not None
-    went: list[list[int]] = []
 
-    def wait() -> None:
-        if read_pipe(go_fd, task.go_wait, until=b"go") == b"go":
-            went.append(ports.bind_kernel_ports(task.argv[3:]))
-            timeline("child.go", task.env, ports=went[0])
+    def wait(_app_at_sockets: Callable[[float], Any]) -> bool:
+        if read_pipe(go_fd, task.go_wait, until=b"go") != b"go":
+            return False
+        timeline("child.go", task.env, ports=ports.bind_kernel_ports(task.argv[3:]))
+        return True
 
-    waiter = threading.Thread(target=wait, name="overmind-lab-standby", daemon=True)
-    waiter.start()
-
-    def init_sockets(self: Any) -> None:
-        app_cls.init_sockets = original  # the class as ipykernel made it, from here on
-        timeline("child.standby", task.env)
-        waiter.join()  # gone before ipykernel starts a thread of its own
-        if not went:
-            os._exit(0)
-        original(self)
-
-    app_cls.init_sockets = init_sockets
+    claim.hold_at_sockets(wait, task.env)
 
 
 def _learn_at_exit(task: ForkTask) -> None:

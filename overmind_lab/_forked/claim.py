@@ -56,7 +56,7 @@ from overmind_lab._common.zygote_identity import RESTART_STANDBY_ENV
 from overmind_lab._errors import OvermindError
 from overmind_lab._forked import ports
 
-__all__ = ["claim_seconds", "ask_on_restart", "standby_until_claimed"]
+__all__ = ["claim_seconds", "ask_on_restart", "hold_at_sockets", "standby_until_claimed"]
 
 #: How long a restart's standby waits for the new launcher's claim, by default, and the variable
 #: of the zygote's environment that says otherwise.
@@ -121,7 +121,7 @@ def _take_over(claim: dict[str, Any], fds: list[int], watch_parent: Callable[[in
     first), its pid as ``JPY_PARENT_PID``, its pidfd watched."""
     for target, fd in enumerate(fds[:3]):
         if target:
-            held = os.pread(target, max(os.fstat(target).st_size, 0), 0)
+            held = os.pread(target, os.fstat(target).st_size, 0)
             with contextlib.suppress(OSError):
                 while held:
                     held = held[os.write(fd, held):]
@@ -136,47 +136,29 @@ def _take_over(claim: dict[str, Any], fds: list[int], watch_parent: Callable[[in
         os.close(fds[3])
 
 
-def standby_until_claimed(claim_fd: int, args: list[str], env: dict[str, str], wait: float,
-                          watch_parent: Callable[[int], None]) -> None:
-    """Steps 2-4 in the standby: ipykernel runs up to ``init_sockets`` and waits there until a
-    launcher claims it on ``claim_fd`` (then it takes the launch over and binds its ports), or
-    exits unstarted."""
+def hold_at_sockets(wait: Callable[[Callable[[float], Any]], bool], env: dict[str, str]) -> None:
+    """A standby's hold (both: Note [A standby for the restart] and this Note): ipykernel runs
+    up to ``IPKernelApp.init_sockets`` and waits there for ``wait``, which runs from now on in a
+    short-lived thread, handed a function that returns the app once it reached its sockets
+    (``None`` if not within the seconds given). ``wait`` returned true: ipykernel goes on (it
+    binds its ports as soon as it knows it goes: Note [Ports bound at the fork]); false, or
+    raised: the child exits unstarted and quietly, as nothing of the user's has run."""
     app_cls: Any = sys.modules["ipykernel.kernelapp"].IPKernelApp
     original = app_cls.__dict__["init_sockets"]
-    sock = socket.socket(fileno=claim_fd)
     apps: list[Any] = []
     at_sockets = threading.Event()
-    claimed: list[list[int]] = []
+    went: list[bool] = []
 
-    def wait_for_claim() -> None:
-        chan = Channel(sock, wait)
-        fds: list[int] = []
+    def app_at_sockets(seconds: float) -> Any:
+        return apps[0] if at_sockets.wait(seconds) else None
+
+    def run() -> None:
         try:
-            frame, fds = chan.recv()
-            timeline("child.claim", env)
-            if not at_sockets.wait(_READY_SECONDS):
-                why: str | None = "the standby did not reach its sockets in time"
-            elif len(fds) < 3:
-                why = "the claim carried no stdio"
-            else:
-                why = _connection_changed(apps[0], args)
-            if why is None:
-                _take_over(dict(frame), fds, watch_parent)
-                fds = []
-                bound = ports.bind_kernel_ports(args)
-                chan.send({"ok": True})
-                claimed.append(bound)
-                timeline("child.claimed", ports=bound)
-            else:
-                chan.send({"ok": False, "reason": why})
-        except (OvermindError, OSError):
-            pass  # no claim in time, or the zygote went away: exit unstarted
-        finally:
-            for fd in fds:
-                os.close(fd)
-            sock.close()
+            went.append(bool(wait(app_at_sockets)))
+        except Exception:  # noqa: BLE001 - a standby that cannot go exits unstarted
+            went.append(False)
 
-    waiter = threading.Thread(target=wait_for_claim, name="overmind-lab-standby", daemon=True)
+    waiter = threading.Thread(target=run, name="overmind-lab-standby", daemon=True)
     waiter.start()
 
     def init_sockets(self: Any) -> None:
@@ -185,8 +167,47 @@ def standby_until_claimed(claim_fd: int, args: list[str], env: dict[str, str], w
         at_sockets.set()
         timeline("child.standby", env)
         waiter.join()  # gone before ipykernel starts a thread of its own
-        if not claimed:
+        if not all(went):
             os._exit(0)
         original(self)
 
     app_cls.init_sockets = init_sockets
+
+
+def standby_until_claimed(claim_fd: int, args: list[str], env: dict[str, str], wait: float,
+                          watch_parent: Callable[[int], None]) -> None:
+    """Steps 2-4 in the standby: it holds at its sockets (:func:`hold_at_sockets`) until a
+    launcher claims it on ``claim_fd`` (then it takes the launch over and binds its ports), or
+    exits unstarted."""
+    sock = socket.socket(fileno=claim_fd)
+
+    def wait_for_claim(app_at_sockets: Callable[[float], Any]) -> bool:
+        chan = Channel(sock, wait)
+        fds: list[int] = []
+        try:
+            frame, fds = chan.recv()
+            timeline("child.claim", env)
+            app = app_at_sockets(_READY_SECONDS)
+            if app is None:
+                why: str | None = "the standby did not reach its sockets in time"
+            elif len(fds) < 3:
+                why = "the claim carried no stdio"
+            else:
+                why = _connection_changed(app, args)
+            if why is not None:
+                chan.send({"ok": False, "reason": why})
+                return False
+            _take_over(dict(frame), fds, watch_parent)
+            fds = []
+            bound = ports.bind_kernel_ports(args)
+            chan.send({"ok": True})
+            timeline("child.claimed", ports=bound)
+            return True
+        except (OvermindError, OSError):
+            return False  # no claim in time, or the zygote went away: exit unstarted
+        finally:
+            for fd in fds:
+                os.close(fd)
+            sock.close()
+
+    hold_at_sockets(wait_for_claim, env)

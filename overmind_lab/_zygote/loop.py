@@ -428,18 +428,13 @@ def _await_ready(state: _State, fd: int) -> str | None:
     starts, and its launcher exits only once the exit report came (jupyter_client polls for
     that every 100 ms; a report after 1 s is lost)."""
     deadline = time.monotonic() + _READY_TIMEOUT
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    for pidfd in state.children:
-        poller.register(pidfd, select.POLLIN)
     while (left := deadline - time.monotonic()) > 0:
-        fired = [f for f, _ in poller.poll(left * 1000)]
-        if fd in fired:
+        poller = select.poll()
+        for waited in (fd, *state.children):
+            poller.register(waited, select.POLLIN)
+        if fd in [f for f, _ in poller.poll(left * 1000)]:
             break
-        for pidfd in fired:
-            poller.unregister(pidfd)
-            if pidfd in state.children:
-                _reap(state, pidfd)
+        _reap_exited(state)
     data = read_pipe(fd, max(deadline - time.monotonic(), 1.0))
     if data is None:
         return f"the forked kernel did not start within {_READY_TIMEOUT:.0f} s"
@@ -497,21 +492,11 @@ def _handle_fork(state: _State, conn: socket.socket, chan: Channel,
             parent_pidfd = os.pidfd_open(peer)
         except OSError:
             parent_pidfd = None
-    wanted = request.get("inherit")
-    task_inherit = dict(wanted) if isinstance(wanted, dict) else {}
     ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
     # Note [A standby for the restart]: the child waits on go_r; the requester gets go_w.
     go_r, go_w = os.pipe2(os.O_CLOEXEC) if standby else (None, None)
-    task = ForkTask(
-        argv=[str(a) for a in request["argv"]],
-        env=env,
-        cwd=str(request.get("cwd") or os.getcwd()), stdio=fds, parent_pidfd=parent_pidfd,
-        thread_targets=_targets_for(state, task_inherit), learned_path=state.paths.learned,
-        preloaded=frozenset(state.preloaded),
-        inherit=task_inherit, ready_fd=ready_w, go_fd=go_r, go_wait=_standby_wait(request),
-        # Note [Environment set at import]: a script that imports no kernel package gets none
-        start_env={} if script else state.start_env, script=script,
-        zygote_socket=str(state.paths.socket) if launcher else None)
+    task = _task(state, request, env, fds, ready_w, parent_pidfd=parent_pidfd, go_fd=go_r,
+                 go_wait=_standby_wait(request), launcher=launcher)
     # go_w: or the child would never see its requester go away
     pid = _fork(state, task, close=[ready_r, *([go_w] if go_w is not None else [])],
                 keep=[*fds, *([parent_pidfd] if parent_pidfd else [])])
@@ -605,15 +590,14 @@ def _claim_standby(state: _State, request: ForkRequest, env: dict[str, str], fds
 def _fork_restart_standby(state: _State, chan: Channel, peer: int) -> None:
     """Note [A standby for the launcher's restart]: the launcher's kernel ``peer`` was told to
     restart; acknowledge at once, then fork a standby for its launch."""
-    child = next((c for c in state.children.values() if c.pid == peer and c.launch), None)
-    why = _retiring(state) or state.refusal or (
-        None if child is not None else "the requester is no launcher's kernel of this zygote")
-    if why or child is None or child.launch is None:
-        _refused(chan, why or "no launch")
+    launch = next((c.launch for c in state.children.values() if c.pid == peer and c.launch),
+                  None)
+    why = _retiring(state) or state.refusal
+    if why or launch is None:
+        _refused(chan, why or "the requester is no launcher's kernel of this zygote")
         return
     ok: OkReply = {"ok": True}
     chan.send(ok)
-    launch = child.launch
     for old in [s for s in state.standbys.values() if s.launch.get("argv") == launch["argv"]]:
         del state.standbys[old.pidfd]
         restart.drop(old)
@@ -623,8 +607,6 @@ def _fork_restart_standby(state: _State, chan: Channel, peer: int) -> None:
     if why:
         log.info("no restart standby for kernel %d: %s", peer, why)
         return
-    wanted = launch.get("inherit")
-    task_inherit = dict(wanted) if isinstance(wanted, dict) else {}
     # placeholders until the claim: what it prints meanwhile is kept for the launcher's stdio
     stdio = [os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC),
              os.memfd_create("overmind-lab-standby-stdout", os.MFD_CLOEXEC),
@@ -633,13 +615,8 @@ def _fork_restart_standby(state: _State, chan: Channel, peer: int) -> None:
     theirs = theirs_sock.detach()  # the child's socket object owns it
     ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
     wait = claim_seconds()
-    task = ForkTask(
-        argv=[str(a) for a in launch["argv"]], env=env,
-        cwd=str(launch.get("cwd") or os.getcwd()), stdio=stdio, parent_pidfd=None,
-        thread_targets=_targets_for(state, task_inherit), learned_path=state.paths.learned,
-        preloaded=frozenset(state.preloaded), inherit=task_inherit, ready_fd=ready_w,
-        go_wait=wait, start_env=state.start_env,
-        zygote_socket=str(state.paths.socket), claim_fd=theirs)
+    task = _task(state, launch, env, stdio, ready_w, parent_pidfd=None, go_wait=wait,
+                 launcher=True, claim_fd=theirs)
     pid = _fork(state, task, close=[ready_r, ours.fileno()], keep=[*stdio, theirs])
     for fd in (ready_w, *stdio, theirs):
         os.close(fd)
@@ -668,6 +645,25 @@ def _standby_ready(state: _State, pid: int, ready_r: int, env: dict[str, str]) -
         os.close(ready_r)
         return stale
     return _await_ready(state, ready_r)
+
+
+def _task(state: _State, request: ForkRequest, env: dict[str, str], stdio: list[int],
+          ready_fd: int, parent_pidfd: int | None, go_wait: float, launcher: bool,
+          go_fd: int | None = None, claim_fd: int | None = None) -> ForkTask:
+    """What the child of ``request`` needs (``_forked/become.py``); ``launcher``: it asks this
+    zygote for a standby on a restart (Note [A standby for the launcher's restart])."""
+    wanted = request.get("inherit")
+    task_inherit = dict(wanted) if isinstance(wanted, dict) else {}
+    script = bool(request.get("script"))
+    return ForkTask(
+        argv=[str(a) for a in request["argv"]], env=env,
+        cwd=str(request.get("cwd") or os.getcwd()), stdio=stdio, parent_pidfd=parent_pidfd,
+        thread_targets=_targets_for(state, task_inherit), learned_path=state.paths.learned,
+        preloaded=frozenset(state.preloaded), inherit=task_inherit, ready_fd=ready_fd,
+        go_fd=go_fd, go_wait=go_wait,
+        # Note [Environment set at import]: a script that imports no kernel package gets none
+        start_env={} if script else state.start_env, script=script,
+        zygote_socket=str(state.paths.socket) if launcher else None, claim_fd=claim_fd)
 
 
 def _fork(state: _State, task: ForkTask, close: list[int], keep: list[int]) -> int:
